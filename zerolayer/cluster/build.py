@@ -1,0 +1,187 @@
+"""Build the local control plane's binaries from Go modules into a cache.
+
+Contract: :func:`ensure_binaries` returns a :class:`Toolchain` whose paths all
+exist and are executable. The first call builds (many minutes on two cores);
+later calls return at once because the cache directory is keyed by the pinned
+versions. Nothing here starts a process other than ``go``.
+
+Why Go modules and not downloads: this environment reaches the Go module proxy
+but no release download site, and has no Docker (so no kind). Kubernetes'
+``k8s.io/kubernetes`` module replaces its staging modules with local folders,
+which ``go build`` cannot follow from the module cache, so we generate a small
+module that requires ``k8s.io/kubernetes`` and replaces every staging module with
+its published ``v0.<minor>.<patch>`` version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+from zerolayer.cluster import versions
+
+
+class BuildError(RuntimeError):
+    """A control-plane binary could not be built."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """Absolute paths of every binary the local control plane uses."""
+
+    bin_dir: pathlib.Path
+
+    def path(self, name: str) -> pathlib.Path:
+        return self.bin_dir / name
+
+    @property
+    def missing(self) -> list[str]:
+        return [n for n in versions.BINARIES if not os.access(self.path(n), os.X_OK)]
+
+
+def cache_root() -> pathlib.Path:
+    """Where built binaries live; ``ZEROLAYER_CACHE`` overrides ``~/.cache/zerolayer``."""
+    env = os.environ.get("ZEROLAYER_CACHE")
+    if env:
+        return pathlib.Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache"
+    return base / "zerolayer"
+
+
+def toolchain_dir() -> pathlib.Path:
+    return cache_root() / f"controlplane-{versions.STAMP}" / "bin"
+
+
+def _go() -> str:
+    go = shutil.which("go")
+    if not go:
+        raise BuildError("the Go toolchain ('go') is not on PATH; it is needed once to build the control plane")
+    return go
+
+
+def _run(cmd: list[str], cwd: pathlib.Path, log) -> None:
+    env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-buildvcs=false", GOTOOLCHAIN="local")
+    log(f"$ {' '.join(cmd)}  (in {cwd.name})")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"{' '.join(cmd)} failed in {cwd}:\n{proc.stdout[-4000:]}")
+
+
+def _kubernetes_replaces(go: str, work: pathlib.Path, log) -> list[str]:
+    """Read k8s.io/kubernetes' go.mod and map each ``./staging`` replace to a published version."""
+    out = subprocess.run(
+        [go, "mod", "download", "-json", f"k8s.io/kubernetes@{versions.KUBERNETES}"],
+        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, GOTOOLCHAIN="local"),
+    )
+    if out.returncode != 0:
+        raise BuildError(f"cannot download k8s.io/kubernetes {versions.KUBERNETES}: {out.stderr[-2000:]}")
+    gomod = re.search(r'"GoMod":\s*"([^"]+)"', out.stdout)
+    if not gomod:
+        raise BuildError("go mod download did not report k8s.io/kubernetes' go.mod")
+    text = pathlib.Path(gomod.group(1)).read_text()
+    staging = re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", text, re.M)
+    if not staging:
+        raise BuildError("no staging replaces found in k8s.io/kubernetes' go.mod")
+    staging_version = "v0." + versions.KUBERNETES.removeprefix("v1.")
+    log(f"replacing {len(staging)} staging modules with {staging_version}")
+    return [f"{m} => {m} {staging_version}" for m in staging]
+
+
+def _module(work: pathlib.Path, name: str, requires: list[str], replaces: list[str], main_go: str | None) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    lines = [f"module zerolayer.local/{name}", "", f"go {versions.GO_DIRECTIVE}", ""]
+    lines += ["require ("] + [f"\t{r}" for r in requires] + [")", ""]
+    if replaces:
+        lines += ["replace ("] + [f"\t{r}" for r in replaces] + [")", ""]
+    (work / "go.mod").write_text("\n".join(lines))
+    if main_go is not None:
+        (work / "main.go").write_text(main_go)
+
+
+_ETCD_MAIN = """package main
+
+import (
+\t"os"
+
+\t"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+"""
+
+_TOOLS_GO = """//go:build tools
+
+package tools
+
+import (
+{imports}
+)
+"""
+
+
+def _build_group(go: str, work: pathlib.Path, name: str, requires: list[str], replaces: list[str],
+                 packages: dict[str, str], out_dir: pathlib.Path, log, main_go: str | None = None) -> None:
+    """Build ``packages`` (binary name -> Go package path) inside one generated module."""
+    todo = {b: p for b, p in packages.items() if not os.access(out_dir / b, os.X_OK)}
+    if not todo:
+        return
+    mod_dir = work / name
+    _module(mod_dir, name, requires, replaces, main_go)
+    imports = "\n".join(f'\t_ "{p}"' for p in todo.values() if p != ".")
+    if imports:
+        (mod_dir / "tools.go").write_text(_TOOLS_GO.format(imports=imports))
+    _run([go, "mod", "tidy", "-e"], mod_dir, log)
+    for binary, pkg in todo.items():
+        started = time.monotonic()
+        tmp = out_dir / f".{binary}.partial"
+        _run([go, "build", "-trimpath", "-ldflags=-s -w " + versions.ldflags(binary), "-o", str(tmp), pkg],
+             mod_dir, log)
+        tmp.rename(out_dir / binary)
+        log(f"built {binary} in {time.monotonic() - started:.0f}s")
+
+
+def ensure_binaries(log=None) -> Toolchain:
+    """Return the cached toolchain, building whatever is missing first."""
+    log = log or (lambda msg: print(f"[zerolayer build] {msg}", file=sys.stderr, flush=True))
+    tc = Toolchain(toolchain_dir())
+    if not tc.missing:
+        return tc
+    go = _go()
+    out_dir = tc.bin_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = out_dir.parent / "src"
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"building {', '.join(tc.missing)} into {out_dir} (first time only; many minutes on 2 cores)")
+
+    k8s_replaces = _kubernetes_replaces(go, work, log)
+    _build_group(
+        go, work, "kubernetes", [f"k8s.io/kubernetes {versions.KUBERNETES}"], k8s_replaces,
+        {
+            "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
+            "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
+            "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
+            "kubectl": "k8s.io/kubernetes/cmd/kubectl",
+        },
+        out_dir, log,
+    )
+    _build_group(go, work, "etcd", [f"go.etcd.io/etcd/server/v3 {versions.ETCD}"], [],
+                 {"etcd": "."}, out_dir, log, main_go=_ETCD_MAIN)
+    _build_group(go, work, "kwok", [f"sigs.k8s.io/kwok {versions.KWOK}"], [],
+                 {"kwok": "sigs.k8s.io/kwok/cmd/kwok"}, out_dir, log)
+    _build_group(go, work, "helm", [f"helm.sh/helm/v3 {versions.HELM}"], [],
+                 {"helm": "helm.sh/helm/v3/cmd/helm"}, out_dir, log)
+    _build_group(go, work, "h2spec", [f"github.com/summerwind/h2spec {versions.H2SPEC}"], [],
+                 {"h2spec": "github.com/summerwind/h2spec/cmd/h2spec"}, out_dir, log)
+    missing = tc.missing
+    if missing:
+        raise BuildError(f"build finished but {missing} are still missing in {out_dir}")
+    shutil.rmtree(work, ignore_errors=True)
+    return tc

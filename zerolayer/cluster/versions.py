@@ -1,0 +1,41 @@
+"""Pinned versions of the local control plane (one place; the cache key derives from them)."""
+
+KUBERNETES = "v1.35.4"  # kube-apiserver, controller-manager, scheduler, kubectl
+ETCD = "v3.6.16"  # go.etcd.io/etcd/server/v3 (Kubernetes 1.35 is tested against etcd 3.6)
+KWOK = "v0.8.0"  # fake nodes whose pods become Running
+HELM = "v3.19.5"
+H2SPEC = "v2.2.1+incompatible"  # conformance suite for the runtime's HTTP/2 server
+GO_DIRECTIVE = "1.25.0"
+
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kwok",
+    "helm",
+    "h2spec",
+)
+
+STAMP = f"k8s{KUBERNETES}-etcd{ETCD}-kwok{KWOK}-helm{HELM}-h2spec{H2SPEC.split('+')[0]}"
+
+
+def ldflags(binary: str) -> str:
+    """Version stamps so `kubectl version` and `helm version` report the pinned releases."""
+    if binary in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"):
+        major, minor = KUBERNETES.removeprefix("v").split(".")[:2]
+        flags = []
+        for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+            flags += [
+                f"-X {pkg}.gitVersion={KUBERNETES}",
+                f"-X {pkg}.gitMajor={major}",
+                f"-X {pkg}.gitMinor={minor}",
+                f"-X {pkg}.gitTreeState=clean",
+            ]
+        return " ".join(flags)
+    if binary == "helm":
+        return f"-X helm.sh/helm/v3/internal/version.version={HELM}"
+    if binary == "kwok":
+        return f"-X sigs.k8s.io/kwok/pkg/consts.Version={KWOK.removeprefix('v')}"
+    return ""
