@@ -1,0 +1,32 @@
+"""Package discovery for the folder-to-namespace mapping (everything else is in pyproject.toml).
+
+Components live in top-level folders (operator/, runtime/, client/) but install under one
+namespace, ``zerolayer.*``, so nothing shadows the standard library (a top-level ``operator``
+would). setuptools cannot discover packages through a remapping on its own, so we walk the
+mapped folders here: any folder with an ``__init__.py`` becomes a package.
+"""
+
+import pathlib
+
+from setuptools import setup
+
+ROOTS = {
+    "zerolayer": "zerolayer",
+    "zerolayer.operator": "operator",
+    "zerolayer.runtime": "runtime",
+    "zerolayer.client": "client",
+}
+
+
+def discover() -> list[str]:
+    here = pathlib.Path(__file__).parent
+    found = []
+    for package, folder in ROOTS.items():
+        root = here / folder
+        for init in sorted(root.rglob("__init__.py")):
+            rel = init.parent.relative_to(root)
+            found.append(".".join([package, *rel.parts]))
+    return found
+
+
+setup(package_dir=ROOTS, packages=discover())
