@@ -41,8 +41,13 @@ class Toolchain:
         return self.bin_dir / name
 
     @property
+    def kwok_stages(self) -> pathlib.Path:
+        return self.bin_dir / "kwok-stages.yaml"
+
+    @property
     def missing(self) -> list[str]:
-        return [n for n in versions.BINARIES if not os.access(self.path(n), os.X_OK)]
+        gone = [n for n in versions.BINARIES if not os.access(self.path(n), os.X_OK)]
+        return gone + ([] if self.kwok_stages.exists() else [self.kwok_stages.name])
 
 
 def cache_root() -> pathlib.Path:
@@ -180,8 +185,41 @@ def ensure_binaries(log=None) -> Toolchain:
                  {"helm": "helm.sh/helm/v3/cmd/helm"}, out_dir, log)
     _build_group(go, work, "h2spec", [f"github.com/summerwind/h2spec {versions.H2SPEC}"], [],
                  {"h2spec": "github.com/summerwind/h2spec/cmd/h2spec"}, out_dir, log)
+    if not tc.kwok_stages.exists():
+        _write_kwok_stages(go, work, tc.kwok_stages, log)
     missing = tc.missing
     if missing:
         raise BuildError(f"build finished but {missing} are still missing in {out_dir}")
     shutil.rmtree(work, ignore_errors=True)
     return tc
+
+
+# kwok ships its lifecycle stages as YAML in its module (kwokctl embeds them); the plain kwok
+# binary needs them in a config file. Heartbeats are made more frequent than upstream's
+# 20-45 s so a loaded machine never lets a fake node miss the controller-manager's grace period.
+_KWOK_STAGE_FILES = (
+    "kustomize/stage/node/fast/node-initialize.yaml",
+    "kustomize/stage/node/heartbeat/node-heartbeat.yaml",
+    "kustomize/stage/pod/fast/pod-ready.yaml",
+    "kustomize/stage/pod/fast/pod-complete.yaml",
+    "kustomize/stage/pod/fast/pod-delete.yaml",
+)
+
+
+def _write_kwok_stages(go: str, work: pathlib.Path, dest: pathlib.Path, log) -> None:
+    out = subprocess.run([go, "mod", "download", "-json", f"sigs.k8s.io/kwok@{versions.KWOK}"], cwd=work,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, GOTOOLCHAIN="local"))
+    found = re.search(r'"Dir":\s*"([^"]+)"', out.stdout)
+    if out.returncode != 0 or not found:
+        raise BuildError(f"cannot download sigs.k8s.io/kwok {versions.KWOK}: {out.stderr[-2000:]}")
+    root = pathlib.Path(found.group(1))
+    docs = []
+    for rel in _KWOK_STAGE_FILES:
+        text = (root / rel).read_text()
+        if rel.endswith("node-heartbeat.yaml"):
+            text = text.replace("durationMilliseconds: 20000", "durationMilliseconds: 10000")
+            text = text.replace("jitterDurationMilliseconds: 25000", "jitterDurationMilliseconds: 5000")
+        docs.append(text)
+    dest.write_text("---\n".join(docs))
+    log(f"wrote kwok stages to {dest}")

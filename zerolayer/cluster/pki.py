@@ -1,0 +1,125 @@
+"""Certificates for the local control plane: one CA, a serving cert and client certs.
+
+Written with ``cryptography`` rather than by shelling out to openssl/cfssl so that
+nothing beyond the Python dependencies is needed. Keys are EC P-256 (fast to make);
+the service-account signing key is RSA because every Kubernetes version accepts it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import pathlib
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALIDITY = dt.timedelta(days=365)
+
+
+def _write_key(key, path: pathlib.Path) -> None:
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                          serialization.NoEncryption())
+    )
+    path.chmod(0o600)
+
+
+def _write_cert(cert: x509.Certificate, path: pathlib.Path) -> None:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _name(cn: str, org: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    if org:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
+    now = dt.datetime.now(dt.timezone.utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + VALIDITY)
+    )
+
+
+def create(pki: pathlib.Path) -> None:
+    """Write ca.crt/key, apiserver.crt/key, admin/controller-manager/scheduler client pairs, sa.key/pub."""
+    pki.mkdir(parents=True, exist_ok=True)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = _name("zerolayer-local-ca")
+    ca = (
+        _builder(ca_name, ca_name, ca_key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_key(ca_key, pki / "ca.key")
+    _write_cert(ca, pki / "ca.crt")
+
+    def leaf(stem: str, cn: str, org: str | None, server: bool) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = _builder(_name(cn, org), ca_name, key.public_key())
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if server:
+            b = b.add_extension(
+                x509.SubjectAlternativeName([
+                    x509.DNSName("localhost"),
+                    x509.DNSName("kubernetes"),
+                    x509.DNSName("kubernetes.default"),
+                    x509.DNSName("kubernetes.default.svc"),
+                    x509.DNSName("kubernetes.default.svc.cluster.local"),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    x509.IPAddress(ipaddress.ip_address("10.96.0.1")),
+                ]),
+                critical=False,
+            )
+        _write_key(key, pki / f"{stem}.key")
+        _write_cert(b.sign(ca_key, hashes.SHA256()), pki / f"{stem}.crt")
+
+    leaf("apiserver", "kube-apiserver", None, server=True)
+    leaf("admin", "zerolayer-admin", "system:masters", server=False)
+    leaf("controller-manager", "system:kube-controller-manager", None, server=False)
+    leaf("scheduler", "system:kube-scheduler", None, server=False)
+
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    _write_key(sa_key, pki / "sa.key")
+    (pki / "sa.pub").write_bytes(
+        sa_key.public_key().public_bytes(serialization.Encoding.PEM,
+                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+
+
+def kubeconfig(server: str, pki: pathlib.Path, user: str) -> str:
+    """A kubeconfig (YAML text) for ``user`` (admin, controller-manager, scheduler) with file references."""
+    return f"""apiVersion: v1
+kind: Config
+clusters:
+- name: zerolayer-local
+  cluster:
+    server: {server}
+    certificate-authority: {pki / 'ca.crt'}
+users:
+- name: {user}
+  user:
+    client-certificate: {pki / f'{user}.crt'}
+    client-key: {pki / f'{user}.key'}
+contexts:
+- name: zerolayer-local
+  context:
+    cluster: zerolayer-local
+    user: {user}
+    namespace: default
+current-context: zerolayer-local
+"""
