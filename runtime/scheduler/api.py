@@ -68,6 +68,9 @@ class Admission:
     message: str = ""  # human-readable, safe to send to the client
     retry_after_s: float | None = None
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)  # x-ratelimit-* etc.
+    # Added (optional): the value to pass as vLLM's ``priority=`` (lower runs first). None means
+    # "use ``ticket.priority.value``". Set by the scheduler's ordering policy on accepted admissions.
+    engine_priority: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""Memory pressure: the hysteresis gate per priority class, and readings -> ``Pressure``.
+
+The gate is a two-state machine per class (admitting / shedding). It enters *shedding* on
+the first sample at or above the class's ``shed_at`` mark and leaves it on the first sample
+below ``resume_below``; samples in between keep the current state, which is what stops a
+reading that wobbles around one mark from flapping. ``HIGH`` has no marks and is never shed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+from zerolayer.contract import Priority
+from zerolayer.runtime.gpu.api import GpuReading
+
+from .api import Pressure, RunningStream
+from .config import SchedulerConfig, Watermarks
+
+SHED_CLASSES = (Priority.LOW, Priority.NORMAL)  # lowest first: the order streams are shed in
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """A class changed state on the sample taken at ``sampled_at``."""
+
+    priority: Priority
+    shedding: bool
+    memory_fraction: float
+    sampled_at: float
+
+
+@dataclasses.dataclass
+class _ClassState:
+    marks: Watermarks
+    shedding: bool = False
+    samples_at_or_above: int = 0  # consecutive samples >= shed_at (drives preemption)
+
+
+class PressureGate:
+    """Admission state per priority class, driven by memory-fraction samples."""
+
+    def __init__(self, marks: Mapping[Priority, Watermarks]) -> None:
+        self._classes = {p: _ClassState(marks[p]) for p in SHED_CLASSES if p in marks}
+        self.last_fraction: float | None = None
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> "PressureGate":
+        return cls({p: config.watermarks(p) for p in SHED_CLASSES})
+
+    def update(self, memory_fraction: float, sampled_at: float) -> list[Transition]:
+        """Feed one sample; returns the classes whose state changed (usually none)."""
+        self.last_fraction = memory_fraction
+        changed = []
+        for priority, state in self._classes.items():
+            if memory_fraction >= state.marks.shed_at:
+                state.samples_at_or_above += 1
+            else:
+                state.samples_at_or_above = 0
+            if not state.shedding and memory_fraction >= state.marks.shed_at:
+                state.shedding = True
+            elif state.shedding and memory_fraction < state.marks.resume_below:
+                state.shedding = False
+            else:
+                continue
+            changed.append(Transition(priority, state.shedding, memory_fraction, sampled_at))
+        return changed
+
+    def admitting(self, priority: Priority) -> bool:
+        state = self._classes.get(priority)
+        return state is None or not state.shedding
+
+    def sustained(self, priority: Priority) -> int:
+        """How many consecutive samples (ending with the last) were at or above ``shed_at``."""
+        state = self._classes.get(priority)
+        return 0 if state is None else state.samples_at_or_above
+
+
+def pressure_from_readings(
+    readings: Sequence[GpuReading],
+    running: Sequence[RunningStream],
+    waiting: int,
+    sampled_at: float,
+) -> Pressure:
+    """One ``Pressure`` from one sample of every GPU the engine uses.
+
+    The engine needs all its GPUs (tensor parallelism), so the fullest one decides.
+    """
+    fraction = max((r.memory_fraction for r in readings), default=0.0)
+    return Pressure(memory_fraction=fraction, running=tuple(running), waiting=waiting, sampled_at=sampled_at)

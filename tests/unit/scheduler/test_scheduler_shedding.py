@@ -1,0 +1,132 @@
+"""Shedding under memory pressure: the gate, preemption, hysteresis, counters, reaction time."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_factories import pressure, running, sample_value, scheduler, ticket
+from zerolayer.contract import ErrorCode, Priority
+from zerolayer.runtime.scheduler import PressureGate, SchedulerConfig
+
+H, N, L = Priority.HIGH, Priority.NORMAL, Priority.LOW
+
+
+@pytest.mark.parametrize("samples, low_admitting, normal_admitting", [
+    ([], True, True),
+    ([0.5, 0.8, 0.91], True, True),
+    ([0.5, 0.92], False, True),
+    ([0.95, 0.90, 0.89], False, True),          # hysteresis band 0.88..0.92 keeps shedding
+    ([0.95, 0.879], True, True),
+    ([0.97], False, False),
+    ([0.98, 0.95], False, False),               # normal band 0.93..0.97
+    ([0.98, 0.92], False, True),                # normal resumed, low still in its band
+    ([0.98, 0.5], True, True),
+])
+def test_gate_table(samples, low_admitting, normal_admitting):
+    gate = PressureGate.from_config(SchedulerConfig())
+    for i, fraction in enumerate(samples):
+        gate.update(fraction, float(i))
+    assert gate.admitting(L) is low_admitting
+    assert gate.admitting(N) is normal_admitting
+    assert gate.admitting(H)
+
+
+def test_wobbling_reading_does_not_flap():
+    sched = scheduler()
+    wobble = [0.93, 0.91, 0.925, 0.90, 0.921, 0.89, 0.93, 0.915]
+    for i, fraction in enumerate(wobble):
+        sched.observe(pressure(fraction, float(i)), now=float(i))
+    reg = sched.registry
+    assert sample_value(reg, "zerolayer_scheduler_shed_transitions_total", priority="low", state="shedding") == 1
+    assert sample_value(reg, "zerolayer_scheduler_shed_transitions_total", priority="low", state="admitting") == 0
+    sched.observe(pressure(0.87, 9.0), now=9.0)
+    assert sample_value(reg, "zerolayer_scheduler_shed_transitions_total", priority="low", state="admitting") == 1
+
+
+def test_new_low_refused_on_the_crossing_sample_and_resumed_below_the_lower_mark():
+    sched = scheduler()
+    climb = [0.5, 0.7, 0.85, 0.91, 0.93]
+    verdicts = []
+    for i, fraction in enumerate(climb):
+        sched.observe(pressure(fraction, 10.0 + i), now=10.0 + i)
+        verdicts.append(sched.admit(ticket(L), now=10.0 + i + 0.001).admitted)
+    assert verdicts == [True, True, True, True, False]
+    refused = sched.admit(ticket(L), now=15.0)
+    assert refused.code is ErrorCode.RESOURCE_EXHAUSTED and refused.reason == "memory_pressure"
+    assert refused.headers["retry-after"] == "1"
+    assert sched.admit(ticket(N), now=15.0).admitted and sched.admit(ticket(H), now=15.0).admitted
+    sched.observe(pressure(0.90, 16.0), now=16.0)
+    assert not sched.admit(ticket(L), now=16.0).admitted
+    sched.observe(pressure(0.85, 17.0), now=17.0)
+    assert sched.admit(ticket(L), now=17.0).admitted
+
+
+def test_running_low_preempted_largest_first_at_most_n_per_tick_only_if_pressure_persists():
+    sched = scheduler(max_preemptions_per_tick=2, preempt_after_samples=2)
+    streams = [running("l1", L, 100), running("l2", L, 900), running("l3", L, 500), running("n1", N, 5000),
+               running("h1", H, 9000)]
+    assert sched.observe(pressure(0.93, 1.0, streams), now=1.0) == []       # crossing sample: refuse only
+    first = sched.observe(pressure(0.94, 2.0, streams), now=2.0)            # persists: preempt
+    assert [(p.stream_key, p.code, p.reason) for p in first] == [
+        ("l2", ErrorCode.RESOURCE_EXHAUSTED, "memory_pressure"), ("l3", ErrorCode.RESOURCE_EXHAUSTED, "memory_pressure")]
+    # the server has not finished aborting yet: l2/l3 still listed, never returned twice
+    second = sched.observe(pressure(0.94, 3.0, streams), now=3.0)
+    assert [p.stream_key for p in second] == ["l1"]
+    assert sched.observe(pressure(0.94, 4.0, streams), now=4.0) == []      # normal is below its mark: untouched
+
+
+def test_normal_preempted_only_above_second_threshold_and_high_never():
+    sched = scheduler(max_preemptions_per_tick=10, preempt_after_samples=1)
+    streams = [running("l1", L, 10), running("n1", N, 10), running("n2", N, 20), running("h1", H, 30)]
+    out = sched.observe(pressure(0.999, 1.0, streams), now=1.0)
+    assert [p.stream_key for p in out] == ["l1", "n2", "n1"]
+    assert sched.observe(pressure(1.0, 2.0, streams), now=2.0) == []
+    reg = sched.registry
+    assert sample_value(reg, "zerolayer_scheduler_preempted_total", reason="memory_pressure", priority="low",
+                        code="RESOURCE_EXHAUSTED") == 1
+    assert sample_value(reg, "zerolayer_scheduler_preempted_total", reason="memory_pressure", priority="normal",
+                        code="RESOURCE_EXHAUSTED") == 2
+    assert sample_value(reg, "zerolayer_scheduler_preempted_total", reason="memory_pressure", priority="high",
+                        code="RESOURCE_EXHAUSTED") == 0
+
+
+def test_preemption_stops_inside_the_band_and_budget_zero_disables_it():
+    sched = scheduler(preempt_after_samples=1)
+    streams = [running("l1", L, 10), running("l2", L, 20), running("l3", L, 30)]
+    assert len(sched.observe(pressure(0.95, 1.0, streams), now=1.0)) == 2
+    assert sched.observe(pressure(0.90, 2.0, streams), now=2.0) == []  # still refusing, no longer preempting
+    off = scheduler(preempt_after_samples=1, max_preemptions_per_tick=0)
+    assert off.observe(pressure(0.99, 1.0, streams), now=1.0) == []
+
+
+def test_preempted_counter_equals_preemptions_returned():
+    sched = scheduler(preempt_after_samples=1, max_preemptions_per_tick=3)
+    returned = 0
+    for i in range(6):
+        streams = [running(f"s{i}-{j}", L, j) for j in range(5)]
+        returned += len(sched.observe(pressure(0.99, float(i), streams), now=float(i)))
+    total = sum(sample_value(sched.registry, "zerolayer_scheduler_preempted_total", reason="memory_pressure",
+                             priority=p, code="RESOURCE_EXHAUSTED") for p in ("low", "normal", "high"))
+    assert total == returned == 18
+
+
+def test_reaction_time_from_crossing_sample_to_first_refusal():
+    sched = scheduler()
+    sched.observe(pressure(0.95, 100.0), now=100.002)      # sample taken at 100.0, seen 2 ms later
+    sched.admit(ticket(L), now=100.005)                     # first refusal: 5 ms after the sample
+    sched.admit(ticket(L), now=100.5)                       # later refusals do not count again
+    assert list(sched.metrics.reaction_samples) == [pytest.approx(0.005)]
+    assert sample_value(sched.registry, "zerolayer_scheduler_reaction_seconds_count", priority="low") == 1
+    assert sample_value(sched.registry, "zerolayer_scheduler_shed_decision_seconds_sum") == pytest.approx(0.002)
+    sched.observe(pressure(0.5, 101.0), now=101.0)
+    sched.observe(pressure(0.95, 102.0), now=102.0)
+    sched.admit(ticket(L), now=102.001)
+    assert len(sched.metrics.reaction_samples) == 2
+
+
+def test_admitting_gauge_follows_the_gate():
+    sched = scheduler()
+    sched.observe(pressure(0.99, 1.0), now=1.0)
+    assert sample_value(sched.registry, "zerolayer_scheduler_admitting", priority="low") == 0
+    assert sample_value(sched.registry, "zerolayer_scheduler_admitting", priority="high") == 1
+    assert not sched.admitting(L) and not sched.admitting(N) and sched.admitting(H)
