@@ -1,0 +1,221 @@
+"""Node choice and per-node circuit breakers (pure apart from the clock).
+
+:class:`Router` answers "where does this attempt go?":
+
+1. the alternatives a refusing node suggested, if any is usable;
+2. otherwise the session's node on the consistent-hash ring of nodes that are fresh
+   (heartbeat younger than ``stale_after_s``) and admitting;
+3. if that node's circuit is open: the configured fallback endpoint, or without one the
+   ring's next node;
+4. nodes this request already failed on are tried last (so a lone node is still retried
+   after its ``retry-after``).
+
+:class:`CircuitBreaker`: ``threshold`` consecutive failures (INTERNAL_ERROR or a lost
+connection) open it; after ``reset_after_s`` one probe is let through (half-open); the
+probe's success closes it, its failure opens it again. Refusals (pressure, quota) neither
+count nor reset: they say the node is healthy but busy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from typing import Callable, Sequence
+
+from . import errors
+from .events import CircuitClosed, CircuitHalfOpen, FallbackTriggered, Listener, emit
+from .nodes import HashRing, Node, NodeMap, normalise_endpoint
+
+
+class BreakerState(str, enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    """Consecutive-failure breaker for one endpoint. Thread-safe."""
+
+    def __init__(self, endpoint: str, *, threshold: int = 5, reset_after_s: float = 10.0) -> None:
+        self.endpoint = endpoint
+        self.threshold = threshold
+        self.reset_after_s = reset_after_s
+        self.state = BreakerState.CLOSED
+        self.failures = 0
+        self.opened_at = 0.0
+        self._probe_in_flight = False
+        self._lock = threading.Lock()
+
+    def available(self, now: float) -> bool:
+        """Would :meth:`acquire` succeed now? (No state change.)"""
+        with self._lock:
+            if self.state is BreakerState.CLOSED:
+                return True
+            if self.state is BreakerState.OPEN:
+                return now - self.opened_at >= self.reset_after_s
+            return not self._probe_in_flight
+
+    def acquire(self, now: float) -> tuple[bool, bool]:
+        """Take permission to send one attempt: ``(allowed, became_half_open)``."""
+        with self._lock:
+            if self.state is BreakerState.CLOSED:
+                return True, False
+            if self.state is BreakerState.OPEN and now - self.opened_at >= self.reset_after_s:
+                self.state = BreakerState.HALF_OPEN
+                self._probe_in_flight = True
+                return True, True
+            if self.state is BreakerState.HALF_OPEN and not self._probe_in_flight:
+                self._probe_in_flight = True
+                return True, False
+            return False, False
+
+    def success(self) -> bool:
+        """Record a success; True if this closed an open circuit."""
+        with self._lock:
+            was_open = self.state is not BreakerState.CLOSED
+            self.state = BreakerState.CLOSED
+            self.failures = 0
+            self._probe_in_flight = False
+            return was_open
+
+    def failure(self, now: float) -> bool:
+        """Record a failure; True if this opened the circuit from closed."""
+        with self._lock:
+            self._probe_in_flight = False
+            if self.state is BreakerState.HALF_OPEN:
+                self.state = BreakerState.OPEN
+                self.opened_at = now
+                return False
+            self.failures += 1
+            if self.state is BreakerState.CLOSED and self.failures >= self.threshold:
+                self.state = BreakerState.OPEN
+                self.opened_at = now
+                return True
+            return False
+
+    def neutral(self) -> None:
+        """An attempt ended in a way that says nothing about health (refusal, bad request)."""
+        with self._lock:
+            if self.state is BreakerState.HALF_OPEN:
+                self._probe_in_flight = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    endpoint: str
+    node: str | None  # the map's node name; None for the fallback or an alternative
+    via: str  # "ring" | "alternative" | "fallback"
+
+
+def counts_against_node(error: errors.APIError) -> bool:
+    """Errors that say the node (not the request or the load) is unwell."""
+    return isinstance(error, errors.InternalError) or (
+        isinstance(error, errors.APIConnectionError) and not isinstance(error, errors.APITimeoutError)
+    )
+
+
+class Router:
+    """Chooses an endpoint per attempt and keeps one circuit breaker per endpoint."""
+
+    def __init__(
+        self,
+        node_map: NodeMap,
+        *,
+        fallback: str | None = None,
+        stale_after_s: float = 15.0,
+        breaker_threshold: int = 5,
+        breaker_reset_s: float = 10.0,
+        listener: Listener | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node_map = node_map
+        self.fallback = normalise_endpoint(fallback) if fallback else None
+        self.stale_after_s = stale_after_s
+        self.breaker_threshold = breaker_threshold
+        self.breaker_reset_s = breaker_reset_s
+        self.listener = listener
+        self._clock = clock
+        self._wall = wall_clock
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._ring_key: tuple[str, ...] = ()
+        self._ring = HashRing(())
+        self._lock = threading.Lock()
+
+    def breaker(self, endpoint: str) -> CircuitBreaker:
+        with self._lock:
+            found = self._breakers.get(endpoint)
+            if found is None:
+                found = self._breakers[endpoint] = CircuitBreaker(
+                    endpoint, threshold=self.breaker_threshold, reset_after_s=self.breaker_reset_s
+                )
+            return found
+
+    def eligible(self) -> list[Node]:
+        """Nodes that are fresh and admitting, as the map says now."""
+        now = self._wall()
+        return [n for n in self.node_map.nodes() if n.admitting and n.fresh(now, self.stale_after_s)]
+
+    def _ring_for(self, nodes: Sequence[Node]) -> HashRing:
+        key = tuple(sorted(n.name for n in nodes))
+        with self._lock:
+            if key != self._ring_key:
+                self._ring, self._ring_key = HashRing(key), key
+            return self._ring
+
+    def _take(self, endpoint: str) -> bool:
+        allowed, half_open = self.breaker(endpoint).acquire(self._clock())
+        if half_open:
+            emit(self.listener, CircuitHalfOpen(endpoint))
+        return allowed
+
+    def choose(self, session: str, *, failed: Sequence[str] = (), prefer: Sequence[str] = ()) -> Target:
+        """The endpoint for the next attempt of a request in ``session``.
+
+        ``failed``: endpoints this request already failed on; ``prefer``: alternatives
+        suggested by the last refusal. Raises :class:`NoNodeAvailable` if nothing is usable.
+        """
+        now = self._clock()
+        tried = set(failed)
+        for endpoint in prefer:
+            endpoint = normalise_endpoint(endpoint)
+            if endpoint not in tried and self.breaker(endpoint).available(now) and self._take(endpoint):
+                return Target(endpoint, None, "alternative")
+
+        nodes = {n.name: n for n in self.eligible()}
+        order = [nodes[name] for name in self._ring_for(list(nodes.values())).walk(session)]
+        fallback_ok = self.fallback is not None and self.fallback not in tried
+        for node in order:
+            if node.endpoint in tried:
+                continue
+            if self.breaker(node.endpoint).available(now):
+                if self._take(node.endpoint):
+                    return Target(node.endpoint, node.name, "ring")
+            elif fallback_ok and self.breaker(self.fallback).available(now) and self._take(self.fallback):
+                return Target(self.fallback, None, "fallback")
+        if fallback_ok and self.breaker(self.fallback).available(now) and self._take(self.fallback):
+            return Target(self.fallback, None, "fallback")
+        # Last resort: an endpoint this request already failed on (it may only have been busy).
+        names = {n.endpoint: n.name for n in order}
+        for endpoint in [*names, *([self.fallback] if self.fallback else [])]:
+            if endpoint in tried and self.breaker(endpoint).available(now) and self._take(endpoint):
+                return Target(endpoint, names.get(endpoint), "ring" if endpoint in names else "fallback")
+        raise errors.NoNodeAvailable(
+            f"no node admits work: {len(self.node_map.nodes())} in the map, {len(nodes)} fresh and admitting, "
+            f"circuits open or failed for this request: {sorted(tried) or 'none'}, fallback: {self.fallback or 'none'}"
+        )
+
+    def record(self, target: Target, error: errors.APIError | None) -> None:
+        """Feed an attempt's outcome to the endpoint's breaker (``None`` = success)."""
+        breaker = self.breaker(target.endpoint)
+        if error is None:
+            if breaker.success():
+                emit(self.listener, CircuitClosed(target.endpoint))
+        elif counts_against_node(error):
+            if breaker.failure(self._clock()):
+                fallback = self.fallback if self.fallback != target.endpoint else None
+                emit(self.listener, FallbackTriggered(target.endpoint, fallback, breaker.failures))
+        else:
+            breaker.neutral()

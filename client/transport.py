@@ -1,0 +1,99 @@
+"""The one module that knows httpx and h2: connection pools and error conversion.
+
+HTTP/2 everywhere: plain ``http://`` endpoints use prior knowledge (h2c, as the runtime
+speaks it), ``https://`` negotiates h2 by ALPN. One connection per endpoint carries many
+concurrent streams; idle connections are kept 45 s (the runtime PINGs every 30 s).
+An endpoint listed in ``http1_endpoints`` (for instance the HTTP/1.1 gateway a team
+migrates from, used as the fallback) gets a pool that speaks HTTP/1.1 or ALPN h2.
+
+:func:`convert_error` turns httpx/httpcore/h2 failures into the SDK's errors. httpcore
+surfaces an RST_STREAM as ``RemoteProtocolError(<h2 StreamReset event>)`` and a GOAWAY as
+``RemoteProtocolError(<h2 ConnectionTerminated event>)``; httpx re-raises them ``from``
+the httpcore exception, so the h2 event is found on the cause chain.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import h2.events
+import h2.exceptions
+import httpx
+
+from zerolayer import __version__
+
+from . import errors, wire
+
+KEEPALIVE_S = 45.0
+USER_AGENT = f"zerolayer-client/{__version__}"
+
+
+def _limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
+
+
+def sync_pool(timeout: httpx.Timeout, http1_endpoints: Iterable[str] = ()) -> httpx.Client:
+    mounts: dict[str, httpx.BaseTransport | None] = {
+        f"all://{_authority(url)}": httpx.HTTPTransport(http1=True, http2=True, limits=_limits()) for url in http1_endpoints
+    }
+    return httpx.Client(
+        http1=False, http2=True, limits=_limits(), timeout=timeout, mounts=mounts or None, trust_env=False,
+        headers={"user-agent": USER_AGENT},
+    )
+
+
+def async_pool(timeout: httpx.Timeout, http1_endpoints: Iterable[str] = ()) -> httpx.AsyncClient:
+    mounts: dict[str, httpx.AsyncBaseTransport | None] = {
+        f"all://{_authority(url)}": httpx.AsyncHTTPTransport(http1=True, http2=True, limits=_limits())
+        for url in http1_endpoints
+    }
+    return httpx.AsyncClient(
+        http1=False, http2=True, limits=_limits(), timeout=timeout, mounts=mounts or None, trust_env=False,
+        headers={"user-agent": USER_AGENT},
+    )
+
+
+def _authority(url: str) -> str:
+    return httpx.URL(url).netloc.decode()
+
+
+def _h2_event(exc: BaseException) -> object | None:
+    """The h2 StreamReset / ConnectionTerminated event carried on ``exc``'s cause chain."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 8:
+        for arg in current.args:
+            if isinstance(arg, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                return arg
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return None
+
+
+def convert_error(
+    exc: Exception, *, endpoint: str, request_id: str | None = None, tokens_delivered: int = 0
+) -> errors.APIError:
+    """An SDK error for an httpx (or h2) failure on one attempt. Sets ``__cause__``."""
+    common = dict(endpoint=endpoint, request_id=request_id, tokens_delivered=tokens_delivered)
+    event = _h2_event(exc)
+    if isinstance(event, h2.events.StreamReset):
+        err = wire.error_from_reset(int(event.error_code), **common)
+    elif isinstance(event, h2.events.ConnectionTerminated):
+        err = errors.APIConnectionError(
+            f"connection closed by GOAWAY (HTTP/2 error code {int(event.error_code):#x}) while the stream was open",
+            processed=None,
+            **common,
+        )
+    elif isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        err = errors.APIConnectionError(f"cannot connect to {endpoint}: {exc}", processed=False, **common)
+    elif isinstance(exc, httpx.TimeoutException):
+        err = errors.APITimeoutError(f"timed out waiting for {endpoint}: {exc}", processed=None, **common)
+    elif isinstance(exc, (httpx.HTTPError, h2.exceptions.H2Error)):
+        err = errors.APIConnectionError(f"connection to {endpoint} failed: {exc or type(exc).__name__}", processed=None, **common)
+    else:
+        raise TypeError(f"not a transport error: {exc!r}") from exc
+    err.__cause__ = exc
+    return err
+
+
+TRANSPORT_ERRORS = (httpx.HTTPError, h2.exceptions.H2Error)

@@ -1,0 +1,34 @@
+"""Fixtures for the SDK's unit tests: real HTTP/2 peers (see h2peer.py)."""
+
+from __future__ import annotations
+
+import pytest
+from h2peer import H2Peer
+
+from zerolayer.client import RetryPolicy
+
+
+@pytest.fixture
+def peers():
+    """Start H2Peer servers on demand: ``peers()`` -> a running peer; all closed at teardown."""
+    started: list[H2Peer] = []
+
+    def start(handler=None) -> H2Peer:
+        peer = H2Peer(handler).start()
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        peer.close()
+
+
+@pytest.fixture
+def peer(peers) -> H2Peer:
+    return peers()
+
+
+@pytest.fixture
+def fast_policy() -> RetryPolicy:
+    """The reference policy with millisecond backoff, so fault tests stay quick."""
+    return RetryPolicy(max_retries=3, base_delay_s=0.001, max_delay_s=0.05)
