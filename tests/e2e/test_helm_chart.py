@@ -1,0 +1,82 @@
+"""Issue 2: the Helm chart lints, installs (operator pod Running), upgrades and uninstalls cleanly."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+CHART = str(pathlib.Path(__file__).resolve().parents[2] / "helm" / "zerolayer")
+NS = "zerolayer-helm-e2e"
+RELEASE = "zl-e2e"
+
+
+def test_helm_lint_is_clean(cluster):
+    out = cluster.helm("lint", CHART, "--strict")
+    assert "0 chart(s) failed" in out.stdout
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout
+
+
+@pytest.mark.parametrize("bad", ["operator.replicas=-1", "operator.logLevel=loud", "runtime.port=80",
+                                 "operator.image.pullPolicy=Sometimes", "unknownKey=1"])
+def test_values_schema_rejects_bad_values(cluster, bad):
+    out = cluster.helm("template", "x", CHART, "--set", bad, check=False)
+    assert out.returncode != 0
+    assert "values don't meet the specifications of the schema" in out.stderr
+
+
+def _release_objects(cluster) -> list[str]:
+    found = []
+    for kind in ("deployment", "serviceaccount", "service", "role", "rolebinding"):
+        items = cluster.kubectl_json("get", kind, "-n", NS, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+        found += [f"{kind}/{i['metadata']['name']}" for i in items]
+    for kind in ("clusterrole", "clusterrolebinding"):
+        items = cluster.kubectl_json("get", kind, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+        found += [f"{kind}/{i['metadata']['name']}" for i in items]
+    return found
+
+
+def test_install_upgrade_uninstall(cluster):
+    cluster.helm("uninstall", RELEASE, "-n", NS, check=False)
+    try:
+        cluster.helm("install", RELEASE, CHART, "-n", NS, "--create-namespace", "--wait", "--timeout", "120s")
+
+        def operator_running():
+            pods = cluster.kubectl_json("get", "pods", "-n", NS, "-l", "app.kubernetes.io/component=operator")
+            return [p for p in pods["items"] if p["status"].get("phase") == "Running"]
+        pods = cluster.wait_for(operator_running, timeout=90, what="operator pod Running")
+        spec = pods[0]["spec"]
+        container = spec["containers"][0]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert spec["serviceAccountName"] == f"{RELEASE}-zerolayer"
+        installed = _release_objects(cluster)
+        assert "clusterrole/zl-e2e-zerolayer-operator" in installed
+        assert any(o.startswith("deployment/") for o in installed)
+
+        # The operator's ServiceAccount may do what it needs and not more.
+        sa = f"system:serviceaccount:{NS}:{RELEASE}-zerolayer"
+        can = lambda *a: cluster.kubectl("auth", "can-i", *a, f"--as={sa}", check=False).stdout.strip()
+        assert can("patch", "inferencenodes.zerolayer.io/status") == "yes"
+        assert can("patch", "nodes") == "yes"
+        assert can("create", "daemonsets.apps", "-n", NS) == "yes"
+        assert can("create", "daemonsets.apps", "-n", "default") == "no"
+        assert can("delete", "nodes") == "no"
+        assert can("create", "secrets", "-n", NS) == "no"
+        assert can("delete", "customresourcedefinitions") == "no"
+
+        cluster.helm("upgrade", RELEASE, CHART, "-n", NS, "--set", "operator.logLevel=debug", "--wait",
+                     "--timeout", "120s")
+        dep = cluster.kubectl_json("get", "deployment", f"{RELEASE}-zerolayer-operator", "-n", NS)
+        assert "--log-level=debug" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        history = json.loads(cluster.helm("history", RELEASE, "-n", NS, "-o", "json").stdout)
+        assert [h["revision"] for h in history] == [1, 2]
+    finally:
+        cluster.helm("uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "120s", check=False)
+    assert _release_objects(cluster) == []
+    # CRDs stay on uninstall (Helm's policy: deleting them would delete every InferenceNode/TenantQuota).
+    assert cluster.kubectl("get", "crd", "inferencenodes.zerolayer.io", check=False).returncode == 0
+    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
