@@ -1,0 +1,82 @@
+"""What both wire APIs parse into, and the helpers they share."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from zerolayer.contract import ErrorCode
+from zerolayer.runtime.engine.base import ChatMessage
+from zerolayer.runtime.errors import RequestRefused
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int
+    stream: bool
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    priority: int | None = None  # OpenAI's body field (vLLM convention: lower first)
+    include_usage: bool = False  # OpenAI stream_options.include_usage
+
+
+def invalid(message: str) -> RequestRefused:
+    return RequestRefused(ErrorCode.INVALID_REQUEST, message, reason="invalid_body")
+
+
+def load_json(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise invalid("body must be a JSON object")
+    return data
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's content: a string or a list of ``{"type": "text", "text": ...}`` blocks."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for block in content:
+            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+                raise invalid(f"{where}: only text content blocks are supported")
+            parts.append(block["text"])
+        return "".join(parts)
+    raise invalid(f"{where}: content must be a string or a list of text blocks")
+
+
+def number(data: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = data.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise invalid(f"{key} must be a number in [{lo}, {hi}]")
+    return float(value)
+
+
+def stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise invalid("stop sequences must be a string or a list of strings")
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse(event: str | None, data: Any) -> bytes:
+    payload = data if isinstance(data, bytes) else dumps(data)
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + payload + b"\n\n"

@@ -1,0 +1,93 @@
+"""The request side of the header contract (``zerolayer.contract``), parsed at HEADERS time.
+
+Pure: takes the header mapping and the two clocks, returns :class:`RequestContract` or
+raises :class:`~zerolayer.runtime.errors.RequestRefused` (INVALID_REQUEST for a malformed
+value, DEADLINE_EXCEEDED for a deadline already past on arrival).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+from zerolayer import contract
+from zerolayer.contract import ErrorCode, Priority
+from zerolayer.runtime.errors import RequestRefused
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestContract:
+    priority: Priority
+    priority_given: bool
+    session: str | None
+    model_hint: str | None
+    output_format: str | None
+    deadline: float | None  # monotonic seconds, from the deadline headers
+    ttft_deadline: float | None  # monotonic seconds, from x-slo-ttft-ms; applies until the first token
+
+    def effective_deadline(self, first_token_sent: bool) -> float | None:
+        """The deadline the scheduler enforces now: the TTFT SLO counts only before the first token."""
+        candidates = [d for d in (self.deadline, None if first_token_sent else self.ttft_deadline) if d is not None]
+        return min(candidates) if candidates else None
+
+
+def first(headers: Mapping[str, str], names: Sequence[str]) -> str | None:
+    for name in names:
+        value = headers.get(name)
+        if value is not None and value.strip() != "":
+            return value.strip()
+    return None
+
+
+def _bad(message: str) -> RequestRefused:
+    return RequestRefused(ErrorCode.INVALID_REQUEST, message, reason="bad_header")
+
+
+def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int) -> RequestContract:
+    raw_priority = first(headers, contract.PRIORITY)
+    try:
+        priority = Priority.parse(raw_priority)
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
+
+    deadline: float | None = None
+    raw_deadline = first(headers, contract.DEADLINE_NANOS)
+    if raw_deadline is not None:
+        try:
+            nanos = int(raw_deadline)
+        except ValueError:
+            raise _bad(f"deadline must be an integer number of nanoseconds, got {raw_deadline!r}") from None
+        if nanos <= 0:
+            raise _bad("deadline must be positive")
+        if nanos >= contract.DEADLINE_ABSOLUTE_THRESHOLD_NS:
+            deadline = now_mono + (nanos - now_wall_ns) / 1e9
+        else:
+            deadline = now_mono + nanos / 1e9
+        if deadline <= now_mono:
+            raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline already passed on arrival",
+                                 reason="deadline_on_arrival")
+
+    ttft: float | None = None
+    raw_ttft = first(headers, contract.SLO_TTFT_MS)
+    if raw_ttft is not None:
+        try:
+            ms = float(raw_ttft)
+        except ValueError:
+            raise _bad(f"x-slo-ttft-ms must be a number of milliseconds, got {raw_ttft!r}") from None
+        if ms <= 0:
+            raise _bad("x-slo-ttft-ms must be positive")
+        ttft = now_mono + ms / 1000.0
+
+    output_format = first(headers, contract.OUTPUT_FORMAT)
+    if output_format is not None and output_format.lower() not in ("json", "text"):
+        raise _bad(f"output format must be json or text, got {output_format!r}")
+
+    return RequestContract(
+        priority=priority,
+        priority_given=raw_priority is not None,
+        session=first(headers, contract.SESSION),
+        model_hint=first(headers, contract.MODEL_HINT),
+        output_format=output_format.lower() if output_format else None,
+        deadline=deadline,
+        ttft_deadline=ttft,
+    )

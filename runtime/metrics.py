@@ -1,0 +1,80 @@
+"""The runtime's Prometheus metrics, on one registry served at ``/metrics``.
+
+Besides our own ``zerolayer_*`` series this exposes the gauges inference endpoint
+pickers read from vLLM servers (``vllm:num_requests_waiting``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``), computed from the engine
+at scrape time, so a node can sit behind a Gateway API Inference Extension pool.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from zerolayer.runtime.engine.base import EngineStats
+from zerolayer.runtime.limits import Limits
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], model: Callable[[], str]) -> None:
+        self._stats = stats
+        self._model = model
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        stats = self._stats()
+        model = self._model()
+        for name, doc, value in (
+            ("vllm:num_requests_waiting", "Requests waiting in the engine queue.", stats.waiting),
+            ("vllm:num_requests_running", "Requests running in the engine.", stats.running),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", stats.kv_cache_usage),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], float(value))
+            yield family
+
+
+class RuntimeMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("zerolayer_requests", "Requests answered, by route and HTTP status.",
+                                ["route", "status"], registry=r)
+        self.refusals = Counter("zerolayer_refusals", "Requests refused with a contract error before any output.",
+                                ["code", "reason"], registry=r)
+        self.preemptions = Counter("zerolayer_preemptions", "Running streams stopped by the scheduler.",
+                                   ["code", "reason"], registry=r)
+        self.limit_hits = Counter("zerolayer_h2_limit_hits", "Hardening limits tripped, by setting name.",
+                                  ["limit"], registry=r)
+        self.connections = Counter("zerolayer_connections", "Connections accepted, by protocol.",
+                                   ["protocol"], registry=r)
+        self.connections_active = Gauge("zerolayer_connections_active", "Open connections.", registry=r)
+        self.streams_active = Gauge("zerolayer_streams_active", "Streams being served.", registry=r)
+        self.tokens = Counter("zerolayer_tokens", "Tokens processed, by tenant and kind (prompt/completion).",
+                              ["tenant", "kind"], registry=r)
+        self.ttft = Histogram("zerolayer_time_to_first_token_seconds", "Arrival to first output token.",
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+                              registry=r)
+        self.pings = Counter("zerolayer_h2_pings_sent", "Keep-alive PINGs sent on idle connections.", registry=r)
+        self.idle_closed = Counter("zerolayer_idle_connections_closed", "Connections closed by the idle timeout.",
+                                   registry=r)
+        # Every limit appears at 0 from the start, so alerts can be written before the first hit.
+        for name in Limits.__dataclass_fields__:
+            if name.startswith(("max_", "rapid_", "empty_", "window_")):
+                self.limit_hits.labels(name)
+
+    def watch_engine(self, stats: Callable[[], EngineStats], model: Callable[[], str]) -> None:
+        self.registry.register(_EngineCollector(stats, model))
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of one sample (0 when absent); for tests and the bench."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    @staticmethod
+    def render_registry(registry: CollectorRegistry) -> bytes:
+        return generate_latest(registry)

@@ -1,0 +1,261 @@
+"""Sans-IO HTTP/1.1 server connection on ``h11``, with the same surface as the HTTP/2 core.
+
+Unmodified SDKs (``anthropic``, ``openai`` through httpx) speak HTTP/1.1 unless told
+otherwise, so the same port answers both: the transport picks this core when the
+first bytes are not the HTTP/2 preface (or ALPN chose ``http/1.1``). Requests on one
+connection are sequential; each gets an odd "stream id" so the application can treat
+both protocols alike. The gate runs when the request line and headers are parsed,
+before any body byte is kept.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import h11
+
+from zerolayer.contract import H2_NO_ERROR
+from zerolayer.runtime.limits import Limits
+from zerolayer.runtime.protocol.events import (
+    Accept,
+    ConnectionEnded,
+    Event,
+    Gate,
+    Reject,
+    RequestHead,
+    RequestReady,
+    StreamAborted,
+)
+
+
+class H1ServerCore:
+    http_version = "1.1"
+
+    def __init__(
+        self,
+        gate: Gate,
+        limits: Limits | None = None,
+        *,
+        on_limit: Callable[[str], None] = lambda name: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gate = gate
+        self.limits = limits or Limits()
+        self.on_limit = on_limit
+        self.clock = clock
+        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_list_size)
+        self._out = bytearray()
+        self._next_id = 1
+        self._sid: int | None = None  # the request being served
+        self._head: RequestHead | None = None
+        self._accepted = False
+        self._context = None
+        self._max_body = 0
+        self._body = bytearray()
+        self._responding = False
+        self._response_done = False
+        self._request_done = False
+        self.draining = False
+        self.ended = False
+        self.discarded_body_bytes = 0
+        self.last_activity = clock()
+
+    # ------------------------------------------------------------------ inbound
+    def receive(self, data: bytes) -> list[Event]:
+        if self.ended:
+            return []
+        self.last_activity = self.clock()
+        out: list[Event] = []
+        self._conn.receive_data(data)
+        self._drain_events(out)
+        return out
+
+    def resume(self) -> list[Event]:
+        """Process requests that arrived while the previous response was being sent."""
+        out: list[Event] = []
+        if not self.ended and self._sid is None:
+            self._drain_events(out)
+        return out
+
+    def _drain_events(self, out: list[Event]) -> None:
+        while not self.ended:
+            try:
+                event = self._conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                if "incomplete" in str(exc) or "too long" in str(exc).lower():
+                    self.on_limit("max_header_list_size")
+                self._protocol_error(exc, out)
+                return
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return
+            if isinstance(event, h11.Request):
+                self._on_request(event, out)
+            elif isinstance(event, h11.Data):
+                self._on_data(event.data, out)
+            elif isinstance(event, h11.EndOfMessage):
+                self._request_done = True
+                if self._accepted and self._head is not None:
+                    out.append(RequestReady(self._head, bytes(self._body), self._context))
+                    self._body = bytearray()
+                self._maybe_next_cycle()
+            elif isinstance(event, h11.ConnectionClosed):
+                if self._sid is not None and self._accepted and not self._response_done:
+                    out.append(StreamAborted(self._sid, H2_NO_ERROR))
+                self._finish(out, "peer closed")
+                return
+
+    def _on_request(self, event: h11.Request, out: list[Event]) -> None:
+        sid = self._next_id
+        self._next_id += 2
+        headers: dict[str, str] = {}
+        for name_b, value_b in event.headers:
+            name, value = name_b.decode("latin-1"), value_b.decode("latin-1")
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        has_body = headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in headers
+        head = RequestHead(
+            stream_id=sid,
+            method=event.method.decode("ascii"),
+            path=event.target.decode("latin-1"),
+            headers=headers,
+            authority=headers.get("host", ""),
+            end_stream=not has_body,
+            http_version="1.1",
+        )
+        self._sid, self._head = sid, head
+        self._body = bytearray()
+        self._responding = self._response_done = self._request_done = False
+        if len(event.headers) > self.limits.max_header_count:
+            self.on_limit("max_header_count")
+            verdict: Accept | Reject = Reject(431, [("content-type", "text/plain")], b"too many header fields\n")
+        else:
+            verdict = self.gate(head)
+        if isinstance(verdict, Reject):
+            self._accepted = False
+            headers_out = list(verdict.headers)
+            if has_body:
+                # h11 cannot skip a body it has not read: answer, then close instead of reading it.
+                headers_out.append(("connection", "close"))
+            self._send_response(sid, verdict.status, headers_out, verdict.body)
+            return
+        self._accepted = True
+        self._context = verdict.context
+        self._max_body = verdict.max_body
+
+    def _on_data(self, data: bytes, out: list[Event]) -> None:
+        if not self._accepted:
+            self.discarded_body_bytes += len(data)
+            return
+        if len(self._body) + len(data) > self._max_body:
+            self.on_limit("max_body_bytes")
+            self._accepted = False
+            self._body = bytearray()
+            self.discarded_body_bytes += len(data)
+            self._send_response(
+                self._sid or 0, 413, [("content-type", "text/plain"), ("connection", "close")],
+                b"request body too large\n",
+            )
+            return
+        self._body += data
+
+    # ------------------------------------------------------------------ outbound
+    def _send_response(self, sid: int, status: int, headers, body: bytes) -> None:  # type: ignore[no-untyped-def]
+        headers = list(headers) + [("content-length", str(len(body)))]
+        self.send_head(sid, status, headers)
+        self.send_data(sid, body, end=True)
+
+    def send_head(self, sid: int, status: int, headers) -> None:  # type: ignore[no-untyped-def]
+        if self.ended or sid != self._sid or self._responding:
+            return
+        self._responding = True
+        pairs = [(k.lower(), str(v)) for k, v in headers]
+        if self.draining and not any(k == "connection" for k, _ in pairs):
+            pairs.append(("connection", "close"))
+        try:
+            self._out += self._conn.send(h11.Response(status_code=status, headers=pairs))
+        except h11.LocalProtocolError:
+            self._finish([], "local protocol error")
+
+    def send_data(self, sid: int, data: bytes, end: bool = False) -> None:
+        if self.ended or sid != self._sid or self._response_done:
+            return
+        try:
+            if data:
+                self._out += self._conn.send(h11.Data(data=data))
+            if end:
+                self._out += self._conn.send(h11.EndOfMessage())
+                self._response_done = True
+                self._maybe_next_cycle()
+        except h11.LocalProtocolError:
+            self._finish([], "local protocol error")
+
+    def reset(self, sid: int, error_code: int) -> None:
+        """HTTP/1.1 has no stream reset: closing the connection mid-body is the signal."""
+        if sid == self._sid and not self._response_done:
+            self._finish([], "stream reset")
+
+    def backlog(self, sid: int) -> int:
+        return 0  # bytes go straight to the transport, whose buffer applies backpressure
+
+    def writable(self, sid: int) -> bool:
+        return True
+
+    def is_open(self, sid: int) -> bool:
+        return not self.ended and sid == self._sid and not self._response_done
+
+    @property
+    def open_streams(self) -> int:
+        return 1 if self._sid is not None and not self._response_done else 0
+
+    def ping(self) -> None:
+        """HTTP/1.1 has no PING; idle connections are closed by the idle timeout instead."""
+
+    def start_drain(self) -> None:
+        self.draining = True
+        if self.open_streams == 0:
+            self._finish([], "drained")
+
+    def close(self, error_code: int = H2_NO_ERROR, reason: str = "closed") -> ConnectionEnded:
+        self._finish([], reason)
+        return ConnectionEnded(error_code, reason)
+
+    def mark_flushed(self) -> None:
+        pass
+
+    def data_to_send(self) -> bytes:
+        data = bytes(self._out)
+        self._out.clear()
+        return data
+
+    # ------------------------------------------------------------------ internals
+    def _maybe_next_cycle(self) -> None:
+        if self._conn.our_state is h11.MUST_CLOSE or self._conn.their_state is h11.MUST_CLOSE:
+            if self._response_done:
+                self._finish([], "connection: close")
+            return
+        if self._conn.our_state is h11.DONE and self._conn.their_state is h11.DONE:
+            if self.draining:
+                self._finish([], "drained")
+                return
+            self._conn.start_next_cycle()
+            self._sid = None
+
+    def _protocol_error(self, exc: h11.RemoteProtocolError, out: list[Event]) -> None:
+        if not self._responding and self._conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            status = getattr(exc, "error_status_hint", 400)
+            try:
+                body = b"bad request\n"
+                self._out += self._conn.send(h11.Response(
+                    status_code=status,
+                    headers=[("content-length", str(len(body))), ("connection", "close")],
+                ))
+                self._out += self._conn.send(h11.Data(data=body))
+                self._out += self._conn.send(h11.EndOfMessage())
+            except h11.LocalProtocolError:
+                pass
+        self._finish(out, f"protocol error: {exc}")
+
+    def _finish(self, out: list[Event], reason: str) -> None:
+        if not self.ended:
+            self.ended = True
+            out.append(ConnectionEnded(H2_NO_ERROR, reason))

@@ -1,0 +1,449 @@
+"""Sans-IO HTTP/2 server connection on python-hyper ``h2``.
+
+Bytes in (:meth:`H2ServerCore.receive`), events out, bytes to write out
+(:meth:`H2ServerCore.data_to_send`). No sockets, no clocks of its own (``clock`` is
+injected), no asyncio: the transport in :mod:`zerolayer.runtime.transport` drives it
+and tests drive it with frames built by hyperframe/h2.
+
+What this layer adds to h2, which has almost no hardening of its own:
+
+* the *gate*: each request is accepted or rejected when its HEADERS complete, before
+  any DATA is buffered; a rejected stream's body is acknowledged for flow control and
+  dropped;
+* per-stream outbound queues bounded by flow control, so a slow reader stalls only its
+  own producer (``backlog`` / ``writable``);
+* limits from :class:`zerolayer.runtime.limits.Limits`: rapid reset budget, CONTINUATION
+  frame count, queued control-frame answers, empty-frame and WINDOW_UPDATE floods,
+  header list size and count, body size; each trip calls ``on_limit(name)``;
+* graceful drain: a GOAWAY that leaves h2 able to finish in-flight streams, streams
+  opened after it refused with REFUSED_STREAM (never started, safe to retry).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.frame_buffer
+import h2.settings
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+from zerolayer.contract import H2_ENHANCE_YOUR_CALM, H2_NO_ERROR, H2_REFUSED_STREAM
+from zerolayer.runtime.limits import Limits, TokenBucket
+from zerolayer.runtime.protocol.events import (
+    Accept,
+    ConnectionEnded,
+    Event,
+    Gate,
+    Reject,
+    RequestHead,
+    RequestReady,
+    StreamAborted,
+)
+
+H2_PROTOCOL_ERROR = 0x1
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+class _Flood(h2.exceptions.ProtocolError):
+    """Raised inside h2's frame loop so h2 itself answers GOAWAY(ENHANCE_YOUR_CALM)."""
+
+    error_code = H2_ENHANCE_YOUR_CALM
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class _GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's frame buffer with a look at every inbound frame before h2 acts on it."""
+
+    def __init__(self, core: "H2ServerCore") -> None:
+        super().__init__(server=True)
+        self._core = core
+
+    def _update_header_buffer(self, f):  # type: ignore[no-untyped-def]
+        if self._headers_buffer and isinstance(f, ContinuationFrame):
+            if len(self._headers_buffer) >= self._core.limits.max_continuation_frames:
+                raise _Flood("max_continuation_frames", "too many CONTINUATION frames in one header block")
+        return super()._update_header_buffer(f)
+
+    def __next__(self):  # type: ignore[no-untyped-def]
+        frame = super().__next__()
+        self._core._inspect(frame)
+        return frame
+
+
+class _Stream:
+    __slots__ = (
+        "head", "accepted", "context", "max_body", "body", "remote_ended",
+        "out", "out_bytes", "end_pending", "local_ended", "rejected",
+    )
+
+    def __init__(self, head: RequestHead) -> None:
+        self.head = head
+        self.accepted = False
+        self.rejected = False
+        self.context = None
+        self.max_body = 0
+        self.body = bytearray()
+        self.remote_ended = head.end_stream
+        self.out: collections.deque[bytes] = collections.deque()
+        self.out_bytes = 0
+        self.end_pending = False
+        self.local_ended = False
+
+
+class H2ServerCore:
+    """One server-side HTTP/2 connection, sans I/O.
+
+    ``gate(head)`` is called once per request when its header block is complete and must
+    not block. ``on_limit(name)`` is called each time a hardening limit trips.
+    """
+
+    http_version = "2"
+
+    def __init__(
+        self,
+        gate: Gate,
+        limits: Limits | None = None,
+        *,
+        on_limit: Callable[[str], None] = lambda name: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gate = gate
+        self.limits = limits or Limits()
+        self.on_limit = on_limit
+        self.clock = clock
+        now = clock()
+        self._resets = TokenBucket(self.limits.rapid_reset_burst, self.limits.rapid_reset_per_second, now)
+        self._empty = TokenBucket(self.limits.empty_frames_burst, self.limits.empty_frames_per_second, now)
+        self._window_updates = TokenBucket(self.limits.window_update_burst, self.limits.window_update_per_second, now)
+        self._queued_control = 0
+        self._streams: dict[int, _Stream] = {}
+        self._out = bytearray()
+        self.draining = False
+        self._drain_last_stream = 0
+        self.ended = False
+        self.discarded_body_bytes = 0  # DATA received for rejected streams (acknowledged, never stored)
+        self.last_activity = now
+
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        self._conn = h2.connection.H2Connection(config=config)
+        self._conn.incoming_buffer = _GuardedFrameBuffer(self)
+        self._conn.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.limits.max_concurrent_streams,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: self.limits.max_header_list_size,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.limits.initial_window_size,
+                h2.settings.SettingCodes.MAX_FRAME_SIZE: self.limits.max_frame_size,
+            },
+        )
+        # hpack only learns the setting once the peer ACKs it; enforce it from the first byte.
+        self._conn.decoder.max_header_list_size = self.limits.max_header_list_size
+        self._conn.initiate_connection()
+        extra = self.limits.initial_window_size - 65535
+        if extra > 0:
+            self._conn.increment_flow_control_window(extra)
+        self._pull()
+
+    # ------------------------------------------------------------------ inbound
+    def receive(self, data: bytes) -> list[Event]:
+        """Feed bytes from the peer; returns the events they complete."""
+        if self.ended:
+            return []
+        self.last_activity = self.clock()
+        out: list[Event] = []
+        try:
+            h2_events = self._conn.receive_data(data)
+        except _Flood as exc:
+            self.on_limit(exc.limit)
+            return self._end(out, H2_ENHANCE_YOUR_CALM, str(exc))
+        except h2.exceptions.DenialOfServiceError as exc:
+            self.on_limit("max_header_list_size")
+            return self._end(out, H2_ENHANCE_YOUR_CALM, str(exc))
+        except h2.exceptions.ProtocolError as exc:
+            return self._end(out, getattr(exc, "error_code", H2_PROTOCOL_ERROR) or H2_PROTOCOL_ERROR, str(exc))
+        for event in h2_events:
+            if self.ended:
+                break
+            self._dispatch(event, out)
+        self._pull()
+        return out
+
+    def resume(self) -> list[Event]:
+        """HTTP/2 multiplexes: nothing waits on a previous response."""
+        return []
+
+    def _inspect(self, frame) -> None:  # type: ignore[no-untyped-def]
+        """Called by the frame buffer for each parsed frame, before h2 handles it."""
+        now = self.clock()
+        if isinstance(frame, (PingFrame, SettingsFrame)) and "ACK" not in frame.flags:
+            self._queued_control += 1
+            if self._queued_control > self.limits.max_queued_control_frames:
+                raise _Flood("max_queued_control_frames", "too many PING/SETTINGS answers queued unread")
+        elif isinstance(frame, WindowUpdateFrame):
+            if not self._window_updates.take(now):
+                raise _Flood("window_update_burst", "WINDOW_UPDATE flood")
+        elif isinstance(frame, (DataFrame, HeadersFrame, ContinuationFrame)):
+            empty = not frame.data and "END_STREAM" not in frame.flags
+            if isinstance(frame, (HeadersFrame, ContinuationFrame)):
+                empty = empty and "END_HEADERS" not in frame.flags
+            if empty and not self._empty.take(now):
+                raise _Flood("empty_frames_burst", "flood of empty frames")
+
+    def _dispatch(self, event, out: list[Event]) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(event, h2.events.RequestReceived):
+            self._on_request(event, out)
+        elif isinstance(event, h2.events.DataReceived):
+            self._on_data(event, out)
+        elif isinstance(event, h2.events.StreamEnded):
+            self._on_stream_ended(event.stream_id, out)
+        elif isinstance(event, h2.events.StreamReset):
+            self._on_reset(event, out)
+        elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
+            self._flush_all()
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self.ended = True
+            out.append(ConnectionEnded(event.error_code or 0, "peer sent GOAWAY"))
+        elif isinstance(event, h2.events.TrailersReceived) and event.stream_ended is not None:
+            self._on_stream_ended(event.stream_id, out)
+
+    def _on_request(self, event: h2.events.RequestReceived, out: list[Event]) -> None:
+        sid = event.stream_id
+        if self.draining and sid > self._drain_last_stream:
+            self._conn.reset_stream(sid, H2_REFUSED_STREAM)
+            return
+        pseudo: dict[str, str] = {}
+        headers: dict[str, str] = {}
+        count = 0
+        for name_b, value_b in event.headers:
+            name = name_b.decode("latin-1") if isinstance(name_b, bytes) else name_b
+            value = value_b.decode("latin-1") if isinstance(value_b, bytes) else value_b
+            if name.startswith(":"):
+                pseudo[name] = value
+                continue
+            count += 1
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        head = RequestHead(
+            stream_id=sid,
+            method=pseudo.get(":method", ""),
+            path=pseudo.get(":path", ""),
+            headers=headers,
+            authority=pseudo.get(":authority", headers.get("host", "")),
+            end_stream=event.stream_ended is not None,
+        )
+        stream = _Stream(head)
+        self._streams[sid] = stream
+        if count > self.limits.max_header_count:
+            self.on_limit("max_header_count")
+            verdict: Accept | Reject = Reject(431, [("content-type", "text/plain")], b"too many header fields\n")
+        else:
+            verdict = self.gate(head)
+        if isinstance(verdict, Reject):
+            self._reject(stream, verdict)
+            return
+        stream.accepted = True
+        stream.context = verdict.context
+        stream.max_body = verdict.max_body
+        if stream.remote_ended:
+            out.append(RequestReady(head, b"", stream.context))
+
+    def _reject(self, stream: _Stream, verdict: Reject) -> None:
+        stream.rejected = True
+        self.send_head(stream.head.stream_id, verdict.status, verdict.headers)
+        self.send_data(stream.head.stream_id, verdict.body, end=True)
+
+    def _on_data(self, event: h2.events.DataReceived, out: list[Event]) -> None:
+        sid = event.stream_id
+        stream = self._streams.get(sid)
+        # Flow control is credited back at once in every case: the body is bounded by max_body.
+        if event.flow_controlled_length:
+            self._conn.acknowledge_received_data(event.flow_controlled_length, sid)
+        if stream is None or not stream.accepted:
+            self.discarded_body_bytes += len(event.data)
+            return
+        if len(stream.body) + len(event.data) > stream.max_body:
+            self.on_limit("max_body_bytes")
+            stream.accepted = False
+            stream.body = bytearray()
+            self.discarded_body_bytes += len(event.data)
+            self._reject(stream, Reject(413, [("content-type", "text/plain")], b"request body too large\n"))
+            out.append(StreamAborted(sid, H2_NO_ERROR))
+            return
+        stream.body += event.data
+
+    def _on_stream_ended(self, sid: int, out: list[Event]) -> None:
+        stream = self._streams.get(sid)
+        if stream is None:
+            return
+        stream.remote_ended = True
+        if stream.accepted:
+            out.append(RequestReady(stream.head, bytes(stream.body), stream.context))
+            stream.body = bytearray()
+        self._maybe_forget(stream)
+
+    def _on_reset(self, event: h2.events.StreamReset, out: list[Event]) -> None:
+        if event.remote_reset and not self._resets.take(self.clock()):
+            self.on_limit("rapid_reset_burst")
+            self._end(out, H2_ENHANCE_YOUR_CALM, "rapid reset budget exceeded")
+            return
+        stream = self._streams.pop(event.stream_id, None)
+        if stream is not None and stream.accepted:
+            out.append(StreamAborted(event.stream_id, event.error_code or 0))
+
+    # ------------------------------------------------------------------ outbound
+    def send_head(self, sid: int, status: int, headers) -> None:  # type: ignore[no-untyped-def]
+        """Send response headers (no body yet)."""
+        if self.ended or sid not in self._streams:
+            return
+        block = [(":status", str(status))] + [(k.lower(), str(v)) for k, v in headers]
+        try:
+            self._conn.send_headers(sid, block)
+        except h2.exceptions.H2Error:
+            self._streams.pop(sid, None)
+        self._pull()
+
+    def send_data(self, sid: int, data: bytes, end: bool = False) -> None:
+        """Queue body bytes; they leave as the peer's flow-control windows allow."""
+        stream = self._streams.get(sid)
+        if self.ended or stream is None or stream.local_ended:
+            return
+        if data:
+            stream.out.append(bytes(data))
+            stream.out_bytes += len(data)
+        if end:
+            stream.end_pending = True
+        self._flush(stream)
+        self._pull()
+
+    def reset(self, sid: int, error_code: int) -> None:
+        """RST_STREAM with ``error_code``; queued output for the stream is dropped."""
+        stream = self._streams.pop(sid, None)
+        if self.ended or stream is None:
+            return
+        try:
+            self._conn.reset_stream(sid, error_code)
+        except h2.exceptions.H2Error:
+            pass  # already closed on h2's side: nothing to reset
+        self._pull()
+
+    def backlog(self, sid: int) -> int:
+        stream = self._streams.get(sid)
+        return stream.out_bytes if stream is not None else 0
+
+    def writable(self, sid: int) -> bool:
+        """True when the stream's producer may queue more (below the low-water mark)."""
+        return self.backlog(sid) <= self.limits.stream_buffer_low
+
+    def is_open(self, sid: int) -> bool:
+        return sid in self._streams
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def ping(self) -> None:
+        if not self.ended:
+            self._conn.ping(b"zerolayr")
+            self._pull()
+
+    def start_drain(self) -> None:
+        """GOAWAY(NO_ERROR) naming the last stream we will finish; later streams are refused."""
+        if self.ended or self.draining:
+            return
+        self.draining = True
+        self._drain_last_stream = self._conn.highest_inbound_stream_id
+        frame = GoAwayFrame(0)
+        frame.last_stream_id = self._drain_last_stream
+        frame.error_code = H2_NO_ERROR
+        self._pull()
+        self._out += frame.serialize()
+        if not self._streams:
+            self._end([], H2_NO_ERROR, "drained")
+
+    def close(self, error_code: int = H2_NO_ERROR, reason: str = "closed") -> ConnectionEnded:
+        """Final GOAWAY; nothing else will be sent."""
+        events: list[Event] = []
+        self._end(events, error_code, reason)
+        return ConnectionEnded(error_code, reason)
+
+    def mark_flushed(self) -> None:
+        """The transport wrote everything out: queued control answers have left."""
+        self._queued_control = 0
+
+    def data_to_send(self) -> bytes:
+        self._pull()
+        data = bytes(self._out)
+        self._out.clear()
+        return data
+
+    # ------------------------------------------------------------------ internals
+    def _flush(self, stream: _Stream) -> None:
+        sid = stream.head.stream_id
+        conn = self._conn
+        try:
+            while stream.out:
+                window = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
+                if window <= 0:
+                    return
+                chunk = stream.out.popleft()
+                if len(chunk) > window:
+                    stream.out.appendleft(chunk[window:])
+                    chunk = chunk[:window]
+                stream.out_bytes -= len(chunk)
+                conn.send_data(sid, chunk)
+            if stream.end_pending and not stream.local_ended:
+                conn.end_stream(sid)
+                stream.local_ended = True
+                if stream.rejected and not stream.remote_ended:
+                    # RFC 9113 §8.1: a complete early response, then ask the client to stop sending.
+                    conn.reset_stream(sid, H2_NO_ERROR)
+                    stream.remote_ended = True
+                self._maybe_forget(stream)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.FlowControlError, KeyError):
+            self._streams.pop(sid, None)
+
+    def _flush_all(self) -> None:
+        for stream in list(self._streams.values()):
+            if stream.out or stream.end_pending:
+                self._flush(stream)
+
+    def _maybe_forget(self, stream: _Stream) -> None:
+        if stream.local_ended and stream.remote_ended:
+            self._streams.pop(stream.head.stream_id, None)
+            if self.draining and not self._streams:
+                self._end([], H2_NO_ERROR, "drained")
+
+    def _end(self, out: list[Event], error_code: int, reason: str) -> list[Event]:
+        if not self.ended:
+            self.ended = True
+            # After a ProtocolError h2 has already queued its own GOAWAY; don't send two.
+            if self._conn.state_machine.state != h2.connection.ConnectionState.CLOSED:
+                self._conn.close_connection(error_code=error_code)
+            self._pull()
+            for sid, stream in list(self._streams.items()):
+                if stream.accepted:
+                    out.append(StreamAborted(sid, error_code))
+            self._streams.clear()
+            out.append(ConnectionEnded(error_code, reason))
+        return out
+
+    def _pull(self) -> None:
+        data = self._conn.data_to_send()
+        if data:
+            self._out += data

@@ -1,0 +1,184 @@
+"""The runtime server: engine, scheduler, tenants and listeners in one process.
+
+``RuntimeServer`` is also the in-process handle tests and the scheduler's own tests use:
+start it with any engine, scheduler and GPU source, read ``metrics``, call ``preempt``
+or ``sample_once``, and ``stop`` it (GOAWAY, drain, close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import ssl
+import time
+from typing import Sequence
+
+from zerolayer.contract import ErrorCode
+from zerolayer.runtime.app import Application
+from zerolayer.runtime.engine.base import Engine
+from zerolayer.runtime.errors import ConfigError
+from zerolayer.runtime.gpu.api import GpuSource, GpuSourceError
+from zerolayer.runtime.limits import Limits
+from zerolayer.runtime.metrics import RuntimeMetrics
+from zerolayer.runtime.scheduler.api import Preemption, Pressure, Scheduler
+from zerolayer.runtime.scheduler.pressure import pressure_from_readings
+from zerolayer.runtime.tenants import Tenant, TenantDirectory
+from zerolayer.runtime.transport import Connection
+
+log = logging.getLogger(__name__)
+
+
+def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """Server TLS offering ALPN ``h2`` then ``http/1.1``."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load TLS certificate {cert_file!r} / key {key_file!r}: {exc}") from exc
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    return context
+
+
+class RuntimeServer:
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        scheduler: Scheduler,
+        tenants: Sequence[Tenant] | TenantDirectory = (),
+        gpu_source: GpuSource | None = None,
+        limits: Limits | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
+        sample_interval_s: float = 0.2,
+    ) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.tenants = tenants if isinstance(tenants, TenantDirectory) else TenantDirectory(tenants)
+        self.gpu_source = gpu_source
+        self.limits = limits or Limits()
+        self.host = host
+        self.port = port
+        self.ssl_context = ssl_context
+        self.sample_interval_s = sample_interval_s
+        self.metrics = RuntimeMetrics()
+        self.metrics.watch_engine(engine.stats, lambda: engine.models[0])
+        extra = getattr(scheduler, "registry", None)
+        self.app = Application(
+            engine=engine, scheduler=scheduler, tenants=self.tenants, metrics=self.metrics, limits=self.limits,
+            render_extra_metrics=(lambda: self.metrics.render_registry(extra)) if extra is not None else lambda: b"",
+        )
+        self.connections: set[Connection] = set()
+        self.draining = False
+        self.last_pressure: Pressure | None = None
+        self._servers: list[asyncio.base_events.Server] = []
+        self._sampler: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> "RuntimeServer":
+        await self.engine.start()
+        self.scheduler.set_tenants(self.tenants.policies())
+        loop = asyncio.get_running_loop()
+        tls = self.ssl_context is not None
+        server = await loop.create_server(lambda: Connection(self, tls), self.host, self.port,
+                                          ssl=self.ssl_context, reuse_address=True)
+        self._servers.append(server)
+        self.port = server.sockets[0].getsockname()[1]
+        self._sampler = loop.create_task(self._sample_loop())
+        log.info("zerolayer runtime on %s (engine %s, models %s)", self.base_url, self.engine.kind,
+                 ", ".join(self.engine.models))
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"
+
+    async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """GOAWAY every connection, let in-flight streams finish, then close and stop the engine."""
+        if self.draining:
+            await self._stopped.wait()
+            return
+        self.draining = True
+        self.app.draining = True
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.start_drain()
+        timeout = self.limits.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        deadline = time.monotonic() + timeout
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.close()
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+        await self.engine.close()
+        if self.gpu_source is not None:
+            self.gpu_source.close()
+        self._stopped.set()
+
+    async def serve_forever(self) -> None:
+        """Serve until SIGTERM/SIGINT, then drain and exit."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            log.info("signal received: draining")
+            await self.stop()
+
+    def replace_tenants(self, tenants: Sequence[Tenant]) -> None:
+        """Apply new tenants and quotas without a restart."""
+        self.tenants.replace(tenants)
+        self.scheduler.set_tenants(self.tenants.policies())
+
+    # ------------------------------------------------------------------ scheduler hooks
+    def preempt(self, stream_key: str, code: ErrorCode, reason: str = "manual") -> bool:
+        """Stop a stream: SSE error event + RST_STREAM (or an error status if nothing was sent), engine abort."""
+        ok = self.app.preempt(stream_key, code, reason)
+        return ok
+
+    async def sample_once(self) -> Sequence[Preemption]:
+        """One telemetry sample: build ``Pressure``, ask the scheduler, preempt what it returns."""
+        running = [s.running() for s in self.app.streams.values() if s.started and not s.settled]
+        stats = self.engine.stats()
+        now = time.monotonic()
+        if self.gpu_source is not None:
+            try:
+                readings = await asyncio.to_thread(self.gpu_source.sample)
+            except GpuSourceError as exc:
+                log.warning("GPU sample failed: %s", exc)
+                readings = ()
+            now = time.monotonic()
+            pressure = pressure_from_readings(readings, running, stats.waiting, now)
+        else:
+            pressure = Pressure(stats.kv_cache_usage, tuple(running), stats.waiting, now)
+        self.last_pressure = pressure
+        preemptions = [*self.scheduler.observe(pressure, now), *self.scheduler.expired(running, now)]
+        for p in preemptions:
+            self.preempt(p.stream_key, p.code, p.reason)
+        return preemptions
+
+    async def _sample_loop(self) -> None:
+        while True:
+            try:
+                await self.sample_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep sampling: one bad sample must not stop admission control
+                log.exception("telemetry sample failed")
+            await asyncio.sleep(self.sample_interval_s)

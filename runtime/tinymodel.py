@@ -1,0 +1,118 @@
+"""Generate a tiny Llama-style model for running the real engine on a CPU.
+
+Random weights and a byte-level BPE tokenizer trained here on text that ships with
+Python itself, so nothing is downloaded. The output is a normal Hugging Face model
+folder (``config.json``, ``model.safetensors``, ``tokenizer.json`` with a chat
+template) that vLLM loads like any other. Random weights produce noise: use it to test
+structure (token counts, finish reasons), never text.
+
+    python -m zerolayer.runtime.tinymodel .models/tiny-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+DEFAULT_DIR = ".models/tiny-llama"
+
+# A Llama-3-like template: roles in headers, an end-of-turn token vLLM stops on.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|start|>{{ message['role'] }}<|sep|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|eot|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant<|sep|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|start|>", "<|sep|>", "<|eot|>"]
+
+
+def _training_text() -> list[str]:
+    """Docstrings and comments of the standard library: plenty of English, always present."""
+    import sysconfig
+
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    lines: list[str] = []
+    for path in sorted(stdlib.glob("*.py"))[:120]:
+        try:
+            lines.extend(path.read_text(encoding="utf-8", errors="ignore").splitlines())
+        except OSError:
+            continue
+    return lines
+
+
+def build_tokenizer(vocab_size: int):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eot|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|start|>", "<|sep|>", "<|eos|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def generate(out_dir: str | pathlib.Path = DEFAULT_DIR, *, vocab_size: int = 2048, layers: int = 2,
+             hidden: int = 128, heads: int = 4, max_positions: int = 2048, seed: int = 0) -> pathlib.Path:
+    """Write the model folder and return its path. Idempotent: an existing model is kept."""
+    out = pathlib.Path(out_dir)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,  # head size = hidden / heads = 32, vLLM's CPU attention minimum
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    gen = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", default=DEFAULT_DIR)
+    args = parser.parse_args(argv)
+    print(generate(args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

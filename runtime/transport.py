@@ -1,0 +1,250 @@
+"""The one module that touches sockets: asyncio protocols driving the sans-IO cores.
+
+One :class:`Connection` per TCP connection. It picks the core — HTTP/2 when TLS ALPN
+chose ``h2`` or the first bytes are the HTTP/2 preface (h2c prior knowledge), else
+HTTP/1.1 — feeds it bytes, writes what it produces, runs a task per ready request and
+keeps the timers: PING when idle, idle timeout, and the drain deadline. Backpressure:
+a stream's producer waits while its queue is above the low-water mark or while the
+socket's write buffer is over asyncio's high-water mark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any, Sequence
+
+from zerolayer.contract import H2_CANCEL
+from zerolayer.runtime.protocol.events import ConnectionEnded, Event, RequestReady, StreamAborted
+from zerolayer.runtime.protocol.h1conn import H1ServerCore
+from zerolayer.runtime.protocol.h2conn import PREFACE, H2ServerCore
+
+if TYPE_CHECKING:
+    from zerolayer.runtime.server import RuntimeServer
+
+log = logging.getLogger(__name__)
+_ids = itertools.count(1)
+
+
+class StreamGone(ConnectionError):
+    """The stream or its connection closed while a response was being written."""
+
+
+class _Channel:
+    __slots__ = ("conn", "sid", "key", "head_sent", "ended")
+
+    def __init__(self, conn: "Connection", sid: int) -> None:
+        self.conn = conn
+        self.sid = sid
+        self.key = f"{conn.id}/{sid}"
+        self.head_sent = False
+        self.ended = False
+
+    async def send_head(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
+        self.head_sent = True
+        self.conn.core.send_head(self.sid, status, headers)
+        self.conn.flush()
+
+    async def send(self, data: bytes) -> None:
+        core = self.conn.core
+        if not core.is_open(self.sid):
+            raise StreamGone(f"stream {self.key} is closed")
+        core.send_data(self.sid, data)
+        self.conn.flush()
+        await self.conn.wait_writable(self.sid)
+
+    async def end(self, data: bytes = b"") -> None:
+        self.ended = True
+        self.conn.core.send_data(self.sid, data, end=True)
+        self.conn.flush()
+
+    def reset(self, error_code: int) -> None:
+        self.ended = True
+        self.conn.core.reset(self.sid, error_code)
+        self.conn.flush()
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, server: "RuntimeServer", tls: bool) -> None:
+        self.server = server
+        self.app = server.app
+        self.limits = server.limits
+        self.tls = tls
+        self.id = next(_ids)
+        self.core: Any = None
+        self.transport: asyncio.Transport | None = None
+        self._sniff = b""
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._paused = False
+        self._writable = asyncio.Event()
+        self._timer: asyncio.Task[None] | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.server.connections.add(self)
+        self.server.metrics.connections_active.inc()
+        if self.tls:
+            ssl_object = transport.get_extra_info("ssl_object")
+            alpn = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
+            self._choose("2" if alpn == "h2" else "1.1")
+        loop = asyncio.get_running_loop()
+        self._opened = loop.time()
+        self._timer = loop.create_task(self._keepalive())
+
+    def data_received(self, data: bytes) -> None:
+        if self.core is None:
+            self._sniff += data
+            if PREFACE.startswith(self._sniff[: len(PREFACE)]) and len(self._sniff) < len(PREFACE):
+                return  # could still be the HTTP/2 preface: wait for more
+            self._choose("2" if self._sniff.startswith(PREFACE) else "1.1")
+            data, self._sniff = self._sniff, b""
+        self._handle(self.core.receive(data))
+        self._writable.set()  # WINDOW_UPDATEs may have opened windows
+        self.flush()
+
+    def eof_received(self) -> bool | None:
+        if self.core is not None and isinstance(self.core, H1ServerCore):
+            self._handle(self.core.receive(b""))
+        return None
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.core is not None:
+            self.core.mark_flushed()
+        self._writable.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self.server.metrics.connections_active.dec()
+        if self._timer is not None:
+            self._timer.cancel()
+        for sid in list(self._tasks):
+            self.app.stream_aborted(f"{self.id}/{sid}")
+        for task in self._tasks.values():
+            task.cancel()
+        self._writable.set()
+
+    # ------------------------------------------------------------------ driving the core
+    def _choose(self, version: str) -> None:
+        def gate(head):  # type: ignore[no-untyped-def]
+            return self.app.gate(self.id, head)
+
+        def on_limit(name: str) -> None:
+            self.server.metrics.limit_hits.labels(name).inc()
+
+        cls = H2ServerCore if version == "2" else H1ServerCore
+        self.core = cls(gate, self.limits, on_limit=on_limit)
+        self.server.metrics.connections.labels("h2" if version == "2" else "http/1.1").inc()
+        if self.server.draining:
+            self.core.start_drain()
+        self.flush()
+
+    def _handle(self, events: list[Event]) -> None:
+        loop = asyncio.get_running_loop()
+        for event in events:
+            if isinstance(event, RequestReady):
+                sid = event.head.stream_id
+                task = loop.create_task(self._serve(sid, event))
+                self._tasks[sid] = task
+                self.app.attach(f"{self.id}/{sid}", task)
+            elif isinstance(event, StreamAborted):
+                self.app.stream_aborted(f"{self.id}/{event.stream_id}")
+                task = self._tasks.pop(event.stream_id, None)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(event, ConnectionEnded):
+                pass  # flush() closes the socket once the core is over
+
+    async def _serve(self, sid: int, ready: RequestReady) -> None:
+        channel = _Channel(self, sid)
+        try:
+            await self.app.serve(channel, ready)
+        except StreamGone:
+            pass
+        except asyncio.CancelledError:
+            if self.core is not None and self.core.is_open(sid):
+                self.core.reset(sid, H2_CANCEL)
+                self.flush()
+            raise
+        finally:
+            self._tasks.pop(sid, None)
+            if not self.closed and self.core is not None:
+                if not channel.ended and self.core.is_open(sid):
+                    self.core.reset(sid, H2_CANCEL)
+                self._handle(self.core.resume())  # HTTP/1.1: the next request may be waiting
+                self.flush()
+
+    def flush(self) -> None:
+        if self.transport is None or self.closed or self.core is None:
+            return
+        data = self.core.data_to_send()
+        if data:
+            self.transport.write(data)
+        if not self._paused:
+            self.core.mark_flushed()
+        if self.core.ended:
+            self.closed = True
+            for task in self._tasks.values():
+                task.cancel()
+            self.transport.close()
+
+    async def wait_writable(self, sid: int) -> None:
+        core = self.core
+        while not self.closed and core.is_open(sid) and (self._paused or not core.writable(sid)):
+            self._writable.clear()
+            await self._writable.wait()
+        if self.closed or not core.is_open(sid):
+            raise StreamGone(f"stream {self.id}/{sid} closed while writing")
+
+    # ------------------------------------------------------------------ timers and shutdown
+    async def _keepalive(self) -> None:
+        """PING idle connections; close those idle past the timeout."""
+        limits = self.limits
+        loop = asyncio.get_running_loop()
+        step = min(limits.ping_interval_s, limits.idle_timeout_s) / 2
+        last_ping = loop.time()
+        while not self.closed:
+            await asyncio.sleep(step)
+            core = self.core
+            now = loop.time()
+            if core is None:
+                if now - self._opened > limits.idle_timeout_s:
+                    self.close()
+                continue
+            if core.open_streams:
+                continue
+            idle = now - core.last_activity
+            if idle >= limits.idle_timeout_s:
+                self.server.metrics.idle_closed.inc()
+                self.close()
+                return
+            if idle >= limits.ping_interval_s and now - last_ping >= limits.ping_interval_s \
+                    and isinstance(core, H2ServerCore):
+                core.ping()
+                last_ping = now
+                self.server.metrics.pings.inc()
+                self.flush()
+
+    def start_drain(self) -> None:
+        if self.core is None:
+            self.close()
+            return
+        self.core.start_drain()
+        self.flush()
+
+    def close(self) -> None:
+        if self.closed or self.transport is None:
+            return
+        if self.core is not None:
+            self.core.close()
+            self.flush()
+        self.closed = True
+        self.transport.close()
