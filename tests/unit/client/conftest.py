@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
-from h2peer import H2Peer
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # h2peer.py: the test peer lives beside its tests
+from h2peer import H2Peer  # noqa: E402
 
 from zerolayer.client import RetryPolicy
 

@@ -1,0 +1,106 @@
+"""The retry policy table and the retry budget's bound (no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerolayer.client import errors
+from zerolayer.client.retry import AttemptParams, RetryBudget, RetryPolicy
+
+FIRST = AttemptParams(number=1, max_tokens=256, model_hint="big", deadline_s=0.5)
+
+
+def policy(**kw):
+    return RetryPolicy(rng=lambda: 0.5, lighter_models={"big": "small"}, **kw)
+
+
+def test_gpu_oom_retries_at_once_with_half_the_tokens():
+    d = policy().decide(errors.GpuOom("oom"), FIRST, streaming=False)
+    assert d.delay_s == 0 and d.next.max_tokens == 128 and d.next.number == 2 and not d.avoid_same_node
+    assert policy().decide(errors.GpuOom("oom"), AttemptParams(1, 1, "big", 1.0), streaming=False) is None
+
+
+def test_deadline_backs_off_to_a_lighter_model_with_double_the_deadline():
+    d = policy(base_delay_s=0.2).decide(errors.DeadlineExceeded("late"), FIRST, streaming=False)
+    assert d.next.model_hint == "small" and d.next.deadline_s == 1.0
+    assert d.delay_s == pytest.approx(0.1)  # full jitter: rng 0.5 * 0.2
+    # no lighter model known: the hint stays
+    d2 = policy().decide(errors.DeadlineExceeded("late"), AttemptParams(1, 8, "other", None), streaming=False)
+    assert d2.next.model_hint == "other" and d2.next.deadline_s is None
+
+
+def test_refusals_follow_alternatives_or_honour_retry_after():
+    alt = errors.ResourceExhausted("busy", alternatives=("http://n2",), retry_after=3.0, processed=False)
+    d = policy().decide(alt, FIRST, streaming=False)
+    assert d.delay_s == 0 and d.prefer == ("http://n2",)
+    wait = errors.ResourceExhausted("busy", retry_after=1.0, processed=False)
+    assert policy().decide(wait, FIRST, streaming=False).delay_s == pytest.approx(1.1)  # never earlier than asked
+    too_long = errors.RateLimitError("quota", retry_after=60.0, processed=False)
+    assert policy(max_delay_s=8).decide(too_long, FIRST, streaming=False) is None
+    refused = errors.StreamRefused("refused", processed=False)
+    assert policy().decide(refused, FIRST, streaming=False) is not None
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        errors.AuthenticationError("no"),
+        errors.PermissionDeniedError("no"),
+        errors.BadRequestError("no"),
+        errors.APIError("unknown"),
+        errors.APITimeoutError("slow", processed=None),
+    ],
+)
+def test_other_errors_raise(error):
+    assert policy().decide(error, FIRST, streaming=True) is None
+
+
+def test_never_retry_after_a_token_was_delivered():
+    err = errors.InternalError("reset", tokens_delivered=1)
+    assert policy().decide(err, FIRST, streaming=True) is None
+
+
+def test_unknown_outcome_retried_only_for_streams_without_tokens():
+    lost = errors.APIConnectionError("lost", processed=None)
+    assert policy().decide(lost, FIRST, streaming=False) is None
+    assert policy().decide(lost, FIRST, streaming=True) is not None
+    refused = errors.APIConnectionError("refused", processed=False)
+    assert policy().decide(refused, FIRST, streaming=False).delay_s == 0
+
+
+def test_max_retries():
+    last = AttemptParams(number=4, max_tokens=8, model_hint=None, deadline_s=None)
+    assert policy(max_retries=3).decide(errors.InternalError("x"), last, streaming=False) is None
+    assert policy(max_retries=0).decide(errors.InternalError("x"), FIRST, streaming=False) is None
+
+
+def test_backoff_is_jittered_exponential_and_capped():
+    p = RetryPolicy(base_delay_s=0.1, max_delay_s=1.0, rng=lambda: 1.0)
+    assert [p.backoff(n) for n in (1, 2, 3, 4, 5, 6)] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
+    assert RetryPolicy(rng=lambda: 0.0).backoff(3) == 0.0
+
+
+@pytest.mark.parametrize("requests", [1, 50, 1000])
+def test_budget_bounds_attempts_under_sustained_failure(requests):
+    budget = RetryBudget(ratio=0.2, burst=10)
+    attempts = 0
+    for _ in range(requests):
+        budget.on_request()
+        attempts += 1
+        while budget.try_spend():  # every attempt fails and wants a retry
+            attempts += 1
+    assert attempts <= 1.2 * requests + 10
+    assert budget.retries == attempts - requests and budget.denied >= 1
+
+
+def test_budget_refills_with_traffic():
+    budget = RetryBudget(ratio=0.5, burst=2)
+    assert budget.try_spend() and budget.try_spend() and not budget.try_spend()
+    budget.on_request()
+    budget.on_request()
+    assert budget.try_spend()
+
+
+def test_budget_rejects_nonsense():
+    with pytest.raises(ValueError):
+        RetryBudget(ratio=-1)
