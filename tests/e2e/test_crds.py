@@ -28,6 +28,8 @@ def test_there_are_examples_of_both_kinds():
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
 def test_api_server_accepts_example(cluster, path):
+    for ns in {d["metadata"].get("namespace") for d in _k8s_docs(path)} - {None}:
+        cluster.kubectl("create", "namespace", ns, check=False)
     out = cluster.kubectl("apply", "--dry-run=server", "-f", str(path), check=False)
     assert out.returncode == 0, out.stderr
 

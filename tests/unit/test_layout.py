@@ -46,3 +46,8 @@ def test_chart_crds_are_byte_identical_to_crds_folder():
     assert [p.name for p in src] == [p.name for p in chart], "run hack/sync-crds.sh"
     for a, b in zip(src, chart):
         assert a.read_bytes() == b.read_bytes(), f"{b} drifted from {a}: run hack/sync-crds.sh"
+
+
+def test_crd_reference_doc_is_current():
+    out = subprocess.run([sys.executable, str(REPO / "hack" / "crd_docs.py"), "--check"], capture_output=True)
+    assert out.returncode == 0, "docs/crds.md is stale: run hack/crd_docs.py"
