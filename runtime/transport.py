@@ -83,8 +83,7 @@ class Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
         self.server.connections.add(self)
         self.server.metrics.connections_active.inc()
         if self.tls:

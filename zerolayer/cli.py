@@ -16,6 +16,8 @@ from zerolayer import __version__
 # Order is the order shown in --help.
 COMMAND_MODULES = [
     "zerolayer.cluster.cli",
+    "zerolayer.operator.cli",
+    "zerolayer.runtime.cli",
 ]
 
 

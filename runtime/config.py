@@ -1,0 +1,245 @@
+"""Standalone configuration: one YAML file describes a whole node (docs/runtime.md).
+
+``load_config(path)`` validates the file into :class:`RuntimeConfig`; ``build_server``
+turns that into a :class:`~zerolayer.runtime.server.RuntimeServer` with its engine,
+micro-scheduler, tenants and GPU source. Every error names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any, Mapping
+
+import yaml
+
+from zerolayer.contract import Priority
+from zerolayer.runtime.errors import ConfigError
+from zerolayer.runtime.limits import Limits
+from zerolayer.runtime.scheduler.api import TenantPolicy
+from zerolayer.runtime.tenants import Tenant, key_hash
+
+ENGINE_KINDS = ("synthetic", "vllm")
+GPU_SOURCES = ("none", "cpu", "simulated", "nvml")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    host: str
+    port: int
+    tls_cert: str | None
+    tls_key: str | None
+    engine: Mapping[str, Any]
+    tenants: tuple[Tenant, ...]
+    scheduler: Mapping[str, Any]
+    gpu: Mapping[str, Any]
+    limits: Limits
+    sample_interval_s: float
+    base_dir: pathlib.Path
+
+
+def _mapping(data: Any, where: str) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def _opt_int(data: Mapping[str, Any], key: str, where: str) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where}.{key}: expected a non-negative integer, got {value!r}")
+    return value
+
+
+def parse_tenant(data: Any, index: int, environ: Mapping[str, str]) -> Tenant:
+    where = f"tenants[{index}]"
+    data = _mapping(data, where)
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}.name: required")
+    hashes: set[str] = set()
+    for j, key in enumerate(data.get("keys") or []):
+        kw = f"{where}.keys[{j}]"
+        key = _mapping(key, kw)
+        if "sha256" in key:
+            digest = str(key["sha256"]).lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ConfigError(f"{kw}.sha256: expected 64 hex digits")
+            hashes.add(digest)
+        elif "env" in key:
+            value = environ.get(str(key["env"]))
+            if not value and key.get("optional"):
+                continue
+            if not value:
+                raise ConfigError(f"{kw}.env: environment variable {key['env']} is not set")
+            hashes.add(key_hash(value))
+        else:
+            raise ConfigError(f"{kw}: give sha256 (hex digest of the key) or env (a variable holding the key)")
+    if not hashes:
+        raise ConfigError(f"{where}.keys: a tenant needs at least one key")
+    try:
+        priorities = frozenset(Priority.parse(p) for p in data.get("priorities") or ["high", "normal", "low"])
+    except ValueError as exc:
+        raise ConfigError(f"{where}.priorities: {exc}") from exc
+    models = data.get("models")
+    policy = TenantPolicy(
+        tenant=name,
+        tokens_per_minute=_opt_int(data, "tokens_per_minute", where),
+        requests_per_minute=_opt_int(data, "requests_per_minute", where),
+        max_concurrent_streams=_opt_int(data, "max_concurrent_streams", where),
+        allowed_priorities=priorities,
+        allowed_models=frozenset(str(m) for m in models) if models else None,
+    )
+    return Tenant(name, frozenset(hashes), policy)
+
+
+def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+    environ = os.environ if environ is None else environ
+    data = _mapping(data, "config")
+    known = {"listen", "tls", "engine", "tenants", "scheduler", "gpu", "limits", "telemetry"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown top-level keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    listen = _mapping(data.get("listen"), "listen")
+    port = listen.get("port", 8080)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+        raise ConfigError(f"listen.port: expected 0..65535, got {port!r}")
+    tls = _mapping(data.get("tls"), "tls")
+    if tls and not (tls.get("cert") and tls.get("key")):
+        raise ConfigError("tls: give both cert and key")
+    engine = _mapping(data.get("engine"), "engine") or {"kind": "synthetic"}
+    if engine.get("kind", "synthetic") not in ENGINE_KINDS:
+        raise ConfigError(f"engine.kind: one of {', '.join(ENGINE_KINDS)}, got {engine.get('kind')!r}")
+    if engine.get("kind") == "vllm" and not engine.get("model_path"):
+        raise ConfigError("engine.model_path: required for the vllm engine")
+    tenants_raw = data.get("tenants") or []
+    if not isinstance(tenants_raw, list):
+        raise ConfigError("tenants: expected a list")
+    tenants = tuple(parse_tenant(t, i, environ) for i, t in enumerate(tenants_raw))
+    names = [t.name for t in tenants]
+    if len(set(names)) != len(names):
+        raise ConfigError("tenants: names must be unique")
+    gpu = _mapping(data.get("gpu"), "gpu") or {"source": "none"}
+    if gpu.get("source", "none") not in GPU_SOURCES:
+        raise ConfigError(f"gpu.source: one of {', '.join(GPU_SOURCES)}, got {gpu.get('source')!r}")
+    telemetry = _mapping(data.get("telemetry"), "telemetry")
+    interval_ms = telemetry.get("sample_interval_ms", 200)
+    if not isinstance(interval_ms, (int, float)) or interval_ms <= 0:
+        raise ConfigError("telemetry.sample_interval_ms: expected a positive number")
+    return RuntimeConfig(
+        host=str(listen.get("host", "127.0.0.1")),
+        port=port,
+        tls_cert=tls.get("cert"),
+        tls_key=tls.get("key"),
+        engine=engine,
+        tenants=tenants,
+        scheduler=_mapping(data.get("scheduler"), "scheduler"),
+        gpu=gpu,
+        limits=Limits.from_mapping(_mapping(data.get("limits"), "limits")),
+        sample_interval_s=float(interval_ms) / 1000.0,
+        base_dir=base_dir,
+    )
+
+
+def load_config(path: str | pathlib.Path, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+    path = pathlib.Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+    return parse_config(data, path.resolve().parent, environ)
+
+
+def _resolve(config: RuntimeConfig, value: str) -> str:
+    """Relative paths in the file are relative to the working directory, like the CLI's own."""
+    return str(pathlib.Path(value))
+
+
+def build_engine(config: RuntimeConfig):  # type: ignore[no-untyped-def]
+    spec = dict(config.engine)
+    kind = spec.pop("kind", "synthetic")
+    if kind == "synthetic":
+        from zerolayer.runtime.engine.synthetic import SyntheticEngine
+
+        allowed = {"models", "output_tokens", "ttft_ms", "tokens_per_second", "kv_capacity_tokens"}
+        unknown = sorted(set(spec) - allowed)
+        if unknown:
+            raise ConfigError(f"engine: unknown keys for the synthetic engine: {', '.join(unknown)}")
+        return SyntheticEngine(
+            tuple(spec.get("models") or ("synthetic",)),
+            output_tokens=int(spec.get("output_tokens", 16)),
+            ttft_s=float(spec.get("ttft_ms", 0)) / 1000.0,
+            tokens_per_second=spec.get("tokens_per_second"),
+            kv_capacity_tokens=int(spec.get("kv_capacity_tokens", 65536)),
+        )
+    from zerolayer.runtime.engine.vllm_engine import VllmEngine
+
+    allowed = {"model_path", "served_name", "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "dtype",
+               "generate_tiny_model", "engine_args"}
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise ConfigError(f"engine: unknown keys for the vllm engine: {', '.join(unknown)}")
+    model_path = _resolve(config, str(spec["model_path"]))
+    if spec.get("generate_tiny_model"):
+        from zerolayer.runtime import tinymodel
+
+        tinymodel.generate(model_path)
+    return VllmEngine(
+        model_path,
+        served_name=spec.get("served_name"),
+        max_model_len=int(spec.get("max_model_len", 2048)),
+        max_num_seqs=int(spec.get("max_num_seqs", 16)),
+        kv_cache_memory_bytes=int(spec.get("kv_cache_memory_bytes", 256 * 1024 * 1024)),
+        dtype=str(spec.get("dtype", "float32")),
+        engine_args=spec.get("engine_args"),
+    )
+
+
+def build_gpu_source(config: RuntimeConfig, engine):  # type: ignore[no-untyped-def]
+    spec = dict(config.gpu)
+    source = spec.get("source", "none")
+    if source == "none":
+        return None
+    if source == "cpu":
+        from zerolayer.runtime.gpu.cpu import CpuSource
+
+        return CpuSource(lambda: engine.stats().kv_cache_usage, kv_cache_bytes=spec.get("kv_cache_bytes"))
+    if source == "simulated":
+        from zerolayer.runtime.gpu.simulated import SimulatedGpuSource
+
+        if "scenario" in spec:
+            return SimulatedGpuSource.from_yaml(_resolve(config, str(spec["scenario"])))
+        return SimulatedGpuSource.constant(float(spec.get("memory", 0.5)))
+    from zerolayer.runtime.gpu.nvml import NvmlSource
+
+    return NvmlSource(spec.get("indices"))
+
+
+def build_server(config: RuntimeConfig, *, port: int | None = None):  # type: ignore[no-untyped-def]
+    from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, SchedulerError
+    from zerolayer.runtime.server import RuntimeServer, tls_context
+
+    try:
+        scheduler = MicroScheduler(SchedulerConfig.from_mapping(config.scheduler))
+    except SchedulerError as exc:
+        raise ConfigError(f"scheduler: {exc}") from exc
+    engine = build_engine(config)
+    ssl_context = tls_context(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key else None
+    return RuntimeServer(
+        engine=engine,
+        scheduler=scheduler,
+        tenants=config.tenants,
+        gpu_source=build_gpu_source(config, engine),
+        limits=config.limits,
+        host=config.host,
+        port=config.port if port is None else port,
+        ssl_context=ssl_context,
+        sample_interval_s=config.sample_interval_s,
+    )
