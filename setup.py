@@ -15,6 +15,7 @@ ROOTS = {
     "zerolayer.operator": "operator",
     "zerolayer.runtime": "runtime",
     "zerolayer.client": "client",
+    "zerolayer.bpf": "bpf",
 }
 
 
