@@ -75,16 +75,14 @@ class _GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
         super().__init__(server=True)
         self._core = core
 
+    # h2 calls this exactly once per parsed frame (its __next__ recurses, so hook here, not there).
     def _update_header_buffer(self, f):  # type: ignore[no-untyped-def]
+        if f is not None:
+            self._core._inspect(f)
         if self._headers_buffer and isinstance(f, ContinuationFrame):
             if len(self._headers_buffer) >= self._core.limits.max_continuation_frames:
                 raise _Flood("max_continuation_frames", "too many CONTINUATION frames in one header block")
         return super()._update_header_buffer(f)
-
-    def __next__(self):  # type: ignore[no-untyped-def]
-        frame = super().__next__()
-        self._core._inspect(frame)
-        return frame
 
 
 class _Stream:
@@ -260,8 +258,7 @@ class H2ServerCore:
         stream.accepted = True
         stream.context = verdict.context
         stream.max_body = verdict.max_body
-        if stream.remote_ended:
-            out.append(RequestReady(head, b"", stream.context))
+        # A HEADERS frame with END_STREAM also yields h2's StreamEnded: RequestReady comes from there.
 
     def _reject(self, stream: _Stream, verdict: Reject) -> None:
         stream.rejected = True

@@ -1,0 +1,97 @@
+"""The operator's settings: defaults for the runtime pods it creates, and its own knobs.
+
+The Helm chart passes these as environment variables (names below); ``zerolayer
+operator`` flags override them. An InferenceNode's ``spec.runtime`` overrides the
+runtime defaults per node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, Mapping
+
+from zerolayer import __version__
+from zerolayer.operator.errors import ConfigError
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+ENV = {
+    "runtime_namespace": "ZEROLAYER_RUNTIME_NAMESPACE",
+    "operator_namespace": "ZEROLAYER_OPERATOR_NAMESPACE",
+    "runtime_image": "ZEROLAYER_RUNTIME_IMAGE",
+    "runtime_image_pull_policy": "ZEROLAYER_RUNTIME_IMAGE_PULL_POLICY",
+    "runtime_port": "ZEROLAYER_RUNTIME_PORT",
+    "runtime_resources": "ZEROLAYER_RUNTIME_RESOURCES",
+    "metrics_scraper_namespaces": "ZEROLAYER_METRICS_SCRAPER_NAMESPACES",
+    "resync_seconds": "ZEROLAYER_RESYNC_SECONDS",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorConfig:
+    """Settings the operator runs with.
+
+    ``runtime_namespace`` holds every namespaced child (DaemonSets, ServiceAccounts,
+    Services, NetworkPolicies); it should hold nothing but runtimes, because the tenants'
+    API-key Secrets are readable by the service accounts of that namespace.
+    ``operator_namespace`` is where the operator's own pod runs (its NetworkPolicy peer).
+    ``resync_seconds`` bounds how long drift (a deleted child, a removed label) survives.
+    """
+
+    runtime_namespace: str = "zerolayer-system"
+    operator_namespace: str = "zerolayer-system"
+    runtime_image: str = f"zerolayer/zerolayer:{__version__}"
+    runtime_image_pull_policy: str = "IfNotPresent"
+    runtime_port: int = 8443
+    runtime_resources: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "64Gi"}}
+    )
+    metrics_scraper_namespaces: tuple[str, ...] = ("monitoring",)
+    resync_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        for field in ("runtime_namespace", "operator_namespace"):
+            value = getattr(self, field)
+            if not _DNS_LABEL.match(value or ""):
+                raise ConfigError(f"{field} {value!r} is not a valid namespace name")
+        for ns in self.metrics_scraper_namespaces:
+            if not _DNS_LABEL.match(ns):
+                raise ConfigError(f"metrics scraper namespace {ns!r} is not a valid namespace name")
+        if not 1 <= int(self.runtime_port) <= 65535:
+            raise ConfigError(f"runtime port {self.runtime_port} is outside 1..65535")
+        if self.runtime_image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise ConfigError(f"runtime image pull policy {self.runtime_image_pull_policy!r}: use Always, IfNotPresent or Never")
+        if not self.runtime_image:
+            raise ConfigError("runtime image is empty")
+        if not isinstance(self.runtime_resources, Mapping) or set(self.runtime_resources) - {"requests", "limits"}:
+            raise ConfigError("runtime resources must be an object with only 'requests' and 'limits'")
+        if self.resync_seconds <= 0:
+            raise ConfigError(f"resync interval must be positive, got {self.resync_seconds}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> "OperatorConfig":
+        """Build from the chart's environment variables; non-None ``overrides`` win."""
+        values: dict[str, Any] = {}
+        for field, var in ENV.items():
+            raw = environ.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                if field == "runtime_port":
+                    values[field] = int(raw)
+                elif field == "resync_seconds":
+                    values[field] = float(raw)
+                elif field == "runtime_resources":
+                    values[field] = json.loads(raw)
+                elif field == "metrics_scraper_namespaces":
+                    values[field] = tuple(n.strip() for n in raw.split(",") if n.strip())
+                else:
+                    values[field] = raw
+            except ValueError as exc:
+                raise ConfigError(f"{var}={raw!r}: {exc}") from exc
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "operator_namespace" not in values and "runtime_namespace" in values:
+            values["operator_namespace"] = values["runtime_namespace"]
+        return cls(**values)

@@ -1,0 +1,182 @@
+"""Thin kopf handlers: translate kopf's callbacks into :class:`~.reconcile.Reconciler` calls
+and our errors into kopf's retry semantics. No logic lives here.
+
+What triggers a reconcile of an InferenceNode:
+- create / spec update / operator start (resume), and a timer every ``resync_seconds``
+  (drift of anything not watched, e.g. a hand-edited child);
+- a child's deletion, a change of its DaemonSet's readiness, its Node appearing or losing
+  a label, its first fresh heartbeat (prompt repair instead of waiting for the timer).
+TenantQuotas: create / update / resume, a timer, and a child's deletion.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Mapping
+
+import kopf
+
+from zerolayer.operator import manifests as m
+from zerolayer.operator.config import OperatorConfig
+from zerolayer.operator.errors import KubeError, SpecError
+from zerolayer.operator.kube import Credentials, Kube
+from zerolayer.operator.metrics import OperatorMetrics
+from zerolayer.operator.reconcile import Reconciler, WaitingFor
+
+INODE = {"group": m.GROUP, "version": m.VERSION, "plural": "inferencenodes"}
+TQUOTA = {"group": m.GROUP, "version": m.VERSION, "plural": "tenantquotas"}
+OURS = {"app.kubernetes.io/managed-by": "zerolayer-operator"}
+FINALIZER = "zerolayer.io/finalizer"
+
+
+def plain(value: Any) -> Any:
+    """kopf's read-only views as plain dicts and lists (the reconciler takes plain data)."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+async def run(step: Awaitable[Any]) -> Any:
+    """Await a reconciler step, mapping our errors onto kopf's retry semantics."""
+    try:
+        return await step
+    except SpecError as exc:
+        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    except WaitingFor as exc:
+        raise kopf.TemporaryError(str(exc), delay=exc.delay) from exc
+    except KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=2 if exc.retryable else 30) from exc
+
+
+def _owner(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    value = (body.get("metadata", {}).get("annotations") or {}).get(m.OWNER_NAME_ANNOTATION, "")
+    kind, _, name = value.partition("/")
+    return (kind, name) if kind and name else None
+
+
+def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
+                   metrics: OperatorMetrics | None = None) -> kopf.OperatorRegistry:
+    """All handlers, registered into a fresh registry (so tests can build several)."""
+    registry = kopf.OperatorRegistry()
+    metrics = metrics or OperatorMetrics()
+    interval = config.resync_seconds
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        # Our own prefix, in annotations: status belongs to the CRD schema (conditions, usage).
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="zerolayer.io")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="zerolayer.io", key="last-handled-configuration")
+        # Our events tell the story; kopf's own "Handler succeeded" events would drown it.
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        memo.reconciler = Reconciler(Kube(Credentials.load(kubeconfig), on_request=metrics.on_request),
+                                     config, observe=metrics.observe)
+        memo.ready_seen = {}
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(memo: kopf.Memo, **_: Any) -> None:
+        await memo.reconciler.kube.close()
+
+    @kopf.on.probe(id="reconciles", registry=registry)
+    def reconciles(**_: Any) -> dict:
+        return {s.name: s.samples[0].value if s.samples else 0
+                for fam in metrics.reconciles.collect() for s in fam.samples}
+
+    # ------------------------------------------------------------ InferenceNode
+    @kopf.on.resume(**INODE, registry=registry)
+    @kopf.on.create(**INODE, registry=registry)
+    @kopf.on.update(**INODE, field="spec", registry=registry)
+    async def inference_node_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        await run(memo.reconciler.reconcile_inference_node(plain(body)))
+
+    @kopf.timer(**INODE, interval=interval, initial_delay=interval, registry=registry)
+    async def inference_node_resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        await run(memo.reconciler.reconcile_inference_node(plain(body)))
+
+    @kopf.on.delete(**INODE, registry=registry)
+    async def inference_node_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        await run(memo.reconciler.delete_inference_node(plain(body)))
+
+    @kopf.on.event(**INODE, registry=registry)
+    async def inference_node_heartbeat(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo,
+                                       **_: Any) -> None:
+        # Only the first fresh heartbeat (GossipFresh not yet True) needs a prompt reconcile;
+        # later heartbeats change nothing the operator writes.
+        status = body.get("status") or {}
+        fresh = any(c.get("type") == "GossipFresh" and c.get("status") == "True"
+                    for c in status.get("conditions") or ())
+        if event.get("type") == "MODIFIED" and status.get("lastHeartbeat") and not fresh \
+                and (body.get("metadata") or {}).get("finalizers") and not body["metadata"].get("deletionTimestamp"):
+            await run(memo.reconciler.reconcile_inference_node(plain(body)))
+
+    # ------------------------------------------------------------ TenantQuota
+    @kopf.on.resume(**TQUOTA, registry=registry)
+    @kopf.on.create(**TQUOTA, registry=registry)
+    @kopf.on.update(**TQUOTA, field="spec", registry=registry)
+    async def tenant_quota_changed(body: kopf.Body, old: Any, memo: kopf.Memo, **_: Any) -> None:
+        previous = {"spec": plain(old)} if old else None  # with field="spec", old/new are the specs
+        await run(memo.reconciler.reconcile_tenant_quota(plain(body), previous))
+
+    @kopf.timer(**TQUOTA, interval=interval, initial_delay=interval, registry=registry)
+    async def tenant_quota_resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        await run(memo.reconciler.reconcile_tenant_quota(plain(body)))
+
+    @kopf.on.delete(**TQUOTA, registry=registry)
+    async def tenant_quota_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        await run(memo.reconciler.delete_tenant_quota(plain(body)))
+
+    # ------------------------------------------------------------ children and nodes
+    async def reconcile_owner(owner: tuple[str, str] | None, memo: kopf.Memo) -> None:
+        if owner is None:
+            return
+        kind, name = owner
+        if kind == "InferenceNode":
+            await run(memo.reconciler.reconcile_inference_node_by_name(name))
+        elif kind == "TenantQuota":
+            await run(memo.reconciler.reconcile_tenant_quota_by_name(name))
+
+    def child_deleted(group: str, version: str, plural: str) -> None:
+        @kopf.on.event(group, version, plural, labels=OURS, id=f"{plural}-deleted", registry=registry)
+        async def _deleted(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+            if event.get("type") == "DELETED":
+                await reconcile_owner(_owner(body), memo)
+
+    for group, version, plural in (("", "v1", "services"), ("", "v1", "serviceaccounts"),
+                                   ("networking.k8s.io", "v1", "networkpolicies"),
+                                   ("rbac.authorization.k8s.io", "v1", "clusterroles"),
+                                   ("rbac.authorization.k8s.io", "v1", "clusterrolebindings"),
+                                   ("rbac.authorization.k8s.io", "v1", "roles"),
+                                   ("rbac.authorization.k8s.io", "v1", "rolebindings")):
+        child_deleted(group, version, plural)
+
+    @kopf.on.event("apps", "v1", "daemonsets", labels=OURS, registry=registry)
+    async def runtime_changed(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        status = body.get("status") or {}
+        seen = (status.get("desiredNumberScheduled"), status.get("numberReady"),
+                status.get("updatedNumberScheduled"), status.get("observedGeneration"))
+        key = body["metadata"]["name"]
+        if event.get("type") == "DELETED":
+            memo.ready_seen.pop(key, None)
+        elif memo.ready_seen.get(key) == seen:
+            return
+        else:
+            memo.ready_seen[key] = seen
+        await reconcile_owner(_owner(body), memo)
+
+    @kopf.on.event("", "v1", "nodes", registry=registry)
+    async def node_changed(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        claims = set(memo.reconciler.node_index.get(body["metadata"]["name"]) or ())
+        if not claims:
+            return
+        name = body["metadata"]["name"]
+        labels = body["metadata"].get("labels") or {}
+        appeared = event.get("type") == "ADDED" and name in memo.reconciler.missing_nodes
+        if appeared or event.get("type") == "DELETED" or labels.get(m.INFERENCE_NODE_LABEL) != "true":
+            for name in sorted(claims):
+                await reconcile_owner(("InferenceNode", name), memo)
+
+    return registry

@@ -1,0 +1,345 @@
+"""The one module that calls the Kubernetes API.
+
+Everything else in the operator receives and returns plain dicts. Requests go out through
+aiohttp on the event loop (nothing blocks it); credentials come from the kubeconfig or
+the in-cluster service account, loaded once with the ``kubernetes`` package's loaders.
+Errors are converted here: every failure leaves this module as a
+:class:`~zerolayer.operator.errors.KubeError` (``NotFound``, ``Conflict`` or the base).
+
+Idempotency lives here too: :meth:`Kube.ensure` reads first, creates only what is missing,
+treats ``409 AlreadyExists`` as "someone (an earlier attempt of ours) made it: read and
+compare", and patches only when the object differs from what we want. Re-running a
+reconcile against a converged cluster therefore makes reads only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import socket
+import ssl
+import time
+from typing import Any, Callable, Mapping
+
+import aiohttp
+import kubernetes.config
+import kubernetes.utils
+from kubernetes import client as k8s_client
+
+from zerolayer.operator.errors import Conflict, KubeError, NotFound
+
+log = logging.getLogger(__name__)
+
+# apiVersion, kind -> (URL prefix, plural, namespaced). Only the kinds the operator touches.
+KINDS: dict[tuple[str, str], tuple[str, str, bool]] = {
+    ("v1", "Node"): ("/api/v1", "nodes", False),
+    ("v1", "Secret"): ("/api/v1", "secrets", True),
+    ("v1", "ServiceAccount"): ("/api/v1", "serviceaccounts", True),
+    ("v1", "Service"): ("/api/v1", "services", True),
+    ("v1", "Event"): ("/api/v1", "events", True),
+    ("apps/v1", "DaemonSet"): ("/apis/apps/v1", "daemonsets", True),
+    ("rbac.authorization.k8s.io/v1", "ClusterRole"): ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"):
+        ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    ("rbac.authorization.k8s.io/v1", "Role"): ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies", True),
+    ("cilium.io/v2", "CiliumNetworkPolicy"): ("/apis/cilium.io/v2", "ciliumnetworkpolicies", True),
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"):
+        ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
+    ("zerolayer.io/v1alpha1", "InferenceNode"): ("/apis/zerolayer.io/v1alpha1", "inferencenodes", False),
+    ("zerolayer.io/v1alpha1", "TenantQuota"): ("/apis/zerolayer.io/v1alpha1", "tenantquotas", False),
+}
+
+MERGE_PATCH = "application/merge-patch+json"
+EVENT_NAMESPACE_FOR_CLUSTER_OBJECTS = "default"  # where kubectl looks for events of cluster-scoped objects
+
+
+@dataclasses.dataclass(frozen=True)
+class SecretCheck:
+    """What the operator may know about an API-key Secret: never its values."""
+
+    found: bool
+    has_key: bool = False
+    key_count: int = 0
+
+
+def path_of(api_version: str, kind: str, namespace: str | None = None, name: str | None = None,
+            subresource: str | None = None) -> str:
+    """The REST path of an object (or of its collection when ``name`` is None)."""
+    try:
+        prefix, plural, namespaced = KINDS[(api_version, kind)]
+    except KeyError:
+        raise KubeError(f"the operator does not manage {kind} ({api_version})") from None
+    if namespaced and not namespace:
+        raise KubeError(f"{kind} {name or ''} needs a namespace")
+    path = f"{prefix}/namespaces/{namespace}/{plural}" if namespaced else f"{prefix}/{plural}"
+    if name:
+        path += f"/{name}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+def resource_of(path: str) -> str:
+    """The resource a REST path addresses (``daemonsets``, ``inferencenodes/status``...), for metrics."""
+    parts = [p for p in path.split("/") if p]
+    parts = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if len(parts) >= 3 and parts[0] == "namespaces":
+        parts = parts[2:]
+    return "/".join(parts[:1] + parts[2:3]) or "unknown"
+
+
+def _same_scalar(want: Any, have: Any) -> bool:
+    if want == have:
+        return True
+    if isinstance(want, str) and isinstance(have, str):
+        # The API server canonicalises quantities ("0.5" is stored as "500m").
+        try:
+            return kubernetes.utils.parse_quantity(want) == kubernetes.utils.parse_quantity(have)
+        except (ValueError, ArithmeticError):
+            return False
+    return False
+
+
+def is_subset(want: Any, have: Any) -> bool:
+    """Whether ``have`` already says everything ``want`` says.
+
+    Dicts: every key of ``want`` present with a matching value (extra keys in ``have`` are
+    server defaults and do not count). Lists: same length, matching element by element.
+    """
+    if isinstance(want, Mapping):
+        return isinstance(have, Mapping) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
+    return _same_scalar(want, have)
+
+
+def _comparable(manifest: Mapping[str, Any]) -> dict:
+    """The parts of a desired manifest the server keeps as given."""
+    out = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata", "status")}
+    meta = manifest.get("metadata", {})
+    out["metadata"] = {k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta}
+    return out
+
+
+class Credentials:
+    """Server URL, TLS context and a bearer-token source from a kubeconfig or the pod's account."""
+
+    def __init__(self, configuration: k8s_client.Configuration):
+        self.server = configuration.host.rstrip("/")
+        self._configuration = configuration
+        context = ssl.create_default_context(cafile=configuration.ssl_ca_cert) if configuration.verify_ssl \
+            else ssl._create_unverified_context()  # noqa: S323 - only when the kubeconfig says insecure-skip-tls-verify
+        if configuration.cert_file:
+            context.load_cert_chain(configuration.cert_file, configuration.key_file)
+        self.ssl = context
+
+    @classmethod
+    def load(cls, kubeconfig: str | None = None) -> "Credentials":
+        """Kubeconfig (``kubeconfig``, ``$KUBECONFIG`` or ``~/.kube/config``), else in-cluster."""
+        configuration = k8s_client.Configuration()
+        try:
+            if kubeconfig or os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config")):
+                kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+            else:
+                kubernetes.config.load_incluster_config(client_configuration=configuration)
+        except (kubernetes.config.ConfigException, OSError) as exc:
+            raise KubeError(f"cannot load Kubernetes credentials: {exc}") from exc
+        return cls(configuration)
+
+    def headers(self) -> dict[str, str]:
+        # get_api_key_with_prefix runs the refresh hook, so rotated in-cluster tokens are picked up.
+        token = self._configuration.get_api_key_with_prefix("BearerToken") or \
+            self._configuration.get_api_key_with_prefix("authorization")
+        return {"Authorization": token} if token else {}
+
+
+class Kube:
+    """Async access to the objects the operator manages.
+
+    ``on_request(verb, resource, code)`` is called once per API request (metrics).
+    """
+
+    def __init__(self, credentials: Credentials, *, on_request: Callable[[str, str, int], None] | None = None,
+                 timeout: float = 30.0, identity: str | None = None):
+        self._credentials = credentials
+        self._on_request = on_request or (lambda verb, resource, code: None)
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._crd_cache: dict[str, tuple[float, bool]] = {}
+        self.identity = identity or socket.gethostname()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=self._credentials.ssl, limit=32), timeout=self._timeout)
+        return self._session
+
+    # ----------------------------------------------------------------- transport
+    async def request(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
+                      query: Mapping[str, str] | None = None) -> dict:
+        """One API request; returns the decoded JSON body or raises a KubeError."""
+        verb = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+        resource = resource_of(path)
+        headers = {"Accept": "application/json", **self._credentials.headers()}
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body)
+        try:
+            async with self._http().request(method, self._credentials.server + path, data=data, headers=headers,
+                                            params=dict(query or {})) as response:
+                text = await response.text()
+                code = response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._on_request(verb, resource, 0)
+            raise KubeError(f"{method} {path}: no answer from the API server ({exc.__class__.__name__}: {exc})") \
+                from exc
+        self._on_request(verb, resource, code)
+        if 200 <= code < 300:
+            return json.loads(text) if text else {}
+        reason, message = "", text[:500]
+        try:
+            status = json.loads(text)
+            reason, message = status.get("reason", ""), status.get("message", message)
+        except ValueError:
+            pass
+        error = NotFound if code == 404 else Conflict if code == 409 else KubeError
+        raise error(f"{method} {path}: {code} {reason}: {message}", status=code, reason=reason)
+
+    # ----------------------------------------------------------------- objects
+    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict | None:
+        """The object, or None when it does not exist."""
+        try:
+            return await self.request("GET", path_of(api_version, kind, namespace, name))
+        except NotFound:
+            return None
+
+    async def list(self, api_version: str, kind: str, namespace: str | None = None, *,
+                   label_selector: str | None = None) -> list[dict]:
+        query = {"labelSelector": label_selector} if label_selector else None
+        if namespace is None and KINDS[(api_version, kind)][2]:
+            prefix, plural, _ = KINDS[(api_version, kind)]
+            result = await self.request("GET", f"{prefix}/{plural}", query=query)
+        else:
+            result = await self.request("GET", path_of(api_version, kind, namespace), query=query)
+        return result.get("items", [])
+
+    async def ensure(self, desired: Mapping[str, Any]) -> tuple[str, dict]:
+        """Make the object match ``desired``; returns (``"created"``, ``"updated"`` or
+        ``"unchanged"``, the object as the server has it now).
+
+        Fields the server or others add are left alone; fields we set are merge-patched
+        back when they differ (lists, such as a pod's containers, are replaced whole).
+        """
+        api_version, kind = desired["apiVersion"], desired["kind"]
+        meta = desired["metadata"]
+        name, namespace = meta["name"], meta.get("namespace")
+        current = await self.get(api_version, kind, name, namespace)
+        if current is None:
+            try:
+                return "created", await self.request("POST", path_of(api_version, kind, namespace), body=desired)
+            except Conflict:
+                # An earlier attempt (or a concurrent one) created it: compare instead.
+                current = await self.get(api_version, kind, name, namespace)
+                if current is None:
+                    raise KubeError(f"{kind} {name} exists and does not: it is being deleted", status=409,
+                                    reason="Conflict") from None
+        if current.get("metadata", {}).get("deletionTimestamp"):
+            raise KubeError(f"{kind} {name} is being deleted; will recreate it once it is gone", status=409,
+                            reason="Conflict")
+        want = _comparable(desired)
+        if is_subset(want, current):
+            return "unchanged", current
+        return "updated", await self.request("PATCH", path_of(api_version, kind, namespace, name), body=want,
+                                             content_type=MERGE_PATCH)
+
+    async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
+        """Delete (dependents in the background); False when it was already gone."""
+        try:
+            await self.request("DELETE", path_of(api_version, kind, namespace, name),
+                               body={"kind": "DeleteOptions", "apiVersion": "v1",
+                                     "propagationPolicy": "Background"})
+            return True
+        except NotFound:
+            return False
+
+    async def patch_labels(self, api_version: str, kind: str, name: str, labels: Mapping[str, str | None],
+                           namespace: str | None = None) -> None:
+        """Merge labels into an object's metadata; a None value removes that label."""
+        await self.request("PATCH", path_of(api_version, kind, namespace, name),
+                           body={"metadata": {"labels": dict(labels)}}, content_type=MERGE_PATCH)
+
+    async def patch_status(self, api_version: str, kind: str, name: str, status: Mapping[str, Any],
+                           namespace: str | None = None) -> None:
+        """Merge ``status`` into the status subresource (fields not named stay as they are)."""
+        await self.request("PATCH", path_of(api_version, kind, namespace, name, "status"),
+                           body={"status": dict(status)}, content_type=MERGE_PATCH)
+
+    async def crd_exists(self, name: str, *, max_age: float = 60.0) -> bool:
+        """Whether a CustomResourceDefinition is installed (cached for ``max_age`` seconds)."""
+        cached = self._crd_cache.get(name)
+        if cached and time.monotonic() - cached[0] < max_age:
+            return cached[1]
+        exists = await self.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", name) is not None
+        self._crd_cache[name] = (time.monotonic(), exists)
+        return exists
+
+    async def check_secret(self, namespace: str, name: str, key: str) -> SecretCheck:
+        """Whether the Secret exists, holds ``key``, and how many API keys (non-empty lines) it holds.
+
+        The decoded value lives only inside this function; it is never returned or logged.
+        """
+        secret = await self.get("v1", "Secret", name, namespace)
+        if secret is None:
+            return SecretCheck(found=False)
+        data = (secret.get("data") or {}).get(key)
+        if data is None:
+            return SecretCheck(found=True, has_key=False)
+        try:
+            lines = base64.b64decode(data).decode("utf-8", "replace").splitlines()
+        except ValueError:
+            return SecretCheck(found=True, has_key=True, key_count=0)
+        return SecretCheck(found=True, has_key=True, key_count=sum(1 for line in lines if line.strip()))
+
+    async def event(self, involved: Mapping[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
+        """Record a Kubernetes Event about ``involved``.
+
+        Events are best effort in Kubernetes itself: a failure to record one is logged and
+        does not fail the reconciliation that it describes.
+        """
+        meta = involved["metadata"]
+        namespace = meta.get("namespace") or EVENT_NAMESPACE_FOR_CLUSTER_OBJECTS
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
+            "involvedObject": {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
+                               "name": meta["name"], "uid": meta.get("uid"),
+                               **({"namespace": meta["namespace"]} if meta.get("namespace") else {})},
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Warning" if warning else "Normal",
+            "source": {"component": "zerolayer-operator"},
+            "reportingComponent": "zerolayer-operator",
+            "reportingInstance": self.identity[:128],
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self.request("POST", path_of("v1", "Event", namespace), body=body)
+        except KubeError as exc:
+            log.warning("could not record event %s on %s/%s: %s", reason, involved.get("kind"), meta["name"], exc)

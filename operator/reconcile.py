@@ -1,0 +1,399 @@
+"""Level-triggered reconciliation of InferenceNode and TenantQuota.
+
+Each ``reconcile_*`` reads the world, computes what it should be with the pure builders,
+and converges it through :class:`~zerolayer.operator.kube.Kube`: running it again on a
+converged cluster makes reads only and writes nothing. Every write is reported as a
+Kubernetes Event on the custom resource, in plain words.
+
+Errors (the handlers map them to kopf's retry semantics):
+
+- :class:`SpecError` — invalid spec; a person must fix it (kopf ``PermanentError``).
+- :class:`WaitingFor` — something outside the operator is missing (the Node, the Secret);
+  the status says so and a retry comes after ``delay`` (kopf ``TemporaryError``).
+- :class:`~zerolayer.operator.errors.KubeError` — the API failed; kopf retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import datetime
+import logging
+from typing import Any, Awaitable, Callable, Mapping
+
+from zerolayer.operator import conditions as cond
+from zerolayer.operator import manifests as m
+from zerolayer.operator import validation
+from zerolayer.operator.config import OperatorConfig
+from zerolayer.operator.errors import KubeError, OperatorError, SpecError
+from zerolayer.operator.kube import Kube
+
+log = logging.getLogger(__name__)
+
+INODE = (m.API_VERSION, "InferenceNode")
+TQUOTA = (m.API_VERSION, "TenantQuota")
+
+
+class WaitingFor(OperatorError):
+    """A dependency outside the operator is missing; retry after ``delay`` seconds."""
+
+    def __init__(self, message: str, delay: float):
+        self.delay = delay
+        super().__init__(message)
+
+
+def utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _parse_time(value: str | None) -> datetime.datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _describe(manifest: Mapping[str, Any]) -> str:
+    meta = manifest["metadata"]
+    where = f"{meta['namespace']}/" if meta.get("namespace") else ""
+    return f"{manifest['kind']} {where}{meta['name']}"
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one reconcile did: the actions taken (also sent as events) and whether it is Ready."""
+
+    actions: list[str] = dataclasses.field(default_factory=list)
+    ready: bool = False
+
+
+class Reconciler:
+    """Holds the operator's collaborators; one instance per operator process.
+
+    ``node_index`` maps a Kubernetes Node name to the InferenceNodes that claim it, so a
+    Node event can be routed to its InferenceNode without a list call.
+    """
+
+    def __init__(self, kube: Kube, config: OperatorConfig, *, now: Callable[[], datetime.datetime] = utcnow,
+                 observe: Callable[[str, str], None] | None = None):
+        self.kube = kube
+        self.config = config
+        self.now = now
+        self.observe = observe or (lambda kind, result: None)
+        self.node_index: dict[str, set[str]] = collections.defaultdict(set)
+        self.missing_nodes: set[str] = set()  # Nodes some InferenceNode waits for
+        self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+
+    def _lock(self, kind: str, name: str) -> asyncio.Lock:
+        # kopf runs change handlers, timers and our cross-object triggers concurrently;
+        # one lock per object keeps two reconciles of it from interleaving.
+        return self._locks[f"{kind}/{name}"]
+
+    async def _act(self, body: Mapping[str, Any], outcome: Outcome, reason: str, message: str,
+                   warning: bool = False) -> None:
+        outcome.actions.append(message)
+        log.info("%s %s: %s", body.get("kind"), body["metadata"]["name"], message)
+        await self.kube.event(body, reason, message, warning=warning)
+
+    async def _ensure_all(self, body: Mapping[str, Any], manifests: list[dict], outcome: Outcome) -> dict[str, dict]:
+        results = await asyncio.gather(*(self.kube.ensure(x) for x in manifests))
+        objects = {}
+        for manifest, (result, obj) in zip(manifests, results):
+            objects[manifest["kind"]] = obj
+            if result != "unchanged":
+                await self._act(body, outcome, result.capitalize(), f"{result.capitalize()} {_describe(manifest)}")
+        return objects
+
+    async def _write_status(self, body: Mapping[str, Any], kind: tuple[str, str], status: dict) -> None:
+        current = body.get("status") or {}
+        if all(current.get(k) == v for k, v in status.items()):
+            return  # nothing changed: no write, so a converged reconcile makes reads only
+        await self.kube.patch_status(*kind, body["metadata"]["name"], status)
+
+    async def _conditions_status(self, body: Mapping[str, Any], kind: tuple[str, str], updates: list[dict],
+                                 phase: str, **extra: Any) -> list[dict]:
+        generation = body["metadata"].get("generation")
+        previous = (body.get("status") or {}).get("conditions") or []
+        merged = cond.merge_conditions(previous, updates, generation=generation, now=self.now())
+        await self._write_status(body, kind, {"phase": phase, "observedGeneration": generation,
+                                              "conditions": merged, **extra})
+        return merged
+
+    async def _note_transition(self, body: Mapping[str, Any], outcome: Outcome, new: list[dict]) -> None:
+        """One event when Ready flips, saying why."""
+        old_ready = cond.find((body.get("status") or {}).get("conditions"), "Ready")
+        ready = cond.find(new, "Ready")
+        if ready and (old_ready is None or old_ready.get("status") != ready["status"]):
+            if ready["status"] == cond.TRUE:
+                await self._act(body, outcome, "Ready", ready["message"])
+            else:
+                await self._act(body, outcome, ready["reason"], ready["message"], warning=True)
+
+    # ================================================================= InferenceNode
+    async def reconcile_inference_node(self, body: Mapping[str, Any]) -> Outcome:
+        name = body["metadata"]["name"]
+        async with self._lock("InferenceNode", name):
+            try:
+                outcome = await self._reconcile_inference_node(body)
+            except WaitingFor:
+                self.observe("InferenceNode", "waiting")
+                raise
+            except SpecError:
+                self.observe("InferenceNode", "invalid")
+                raise
+            except OperatorError:
+                self.observe("InferenceNode", "error")
+                raise
+            self.observe("InferenceNode", "ready" if outcome.ready else "progressing")
+            return outcome
+
+    async def _reconcile_inference_node(self, body: Mapping[str, Any]) -> Outcome:
+        outcome = Outcome()
+        meta, spec = body["metadata"], body.get("spec") or {}
+        name = meta["name"]
+        problems = validation.inference_node_problems(spec)
+        if problems:
+            new = await self._conditions_status(body, INODE, [
+                cond.condition("Ready", False, "InvalidSpec", "; ".join(problems))], "Degraded")
+            await self._note_transition(body, outcome, new)
+            raise SpecError(problems)
+
+        node_name = spec["nodeName"]
+        for nodes in self.node_index.values():
+            nodes.discard(name)
+        self.node_index[node_name].add(name)
+
+        node = await self.kube.get("v1", "Node", node_name)
+        if node is None:
+            self.missing_nodes.add(node_name)
+            message = f"Kubernetes Node {node_name} does not exist; waiting for it to join the cluster"
+            new = await self._conditions_status(body, INODE, [
+                cond.condition("NodeFound", False, "NodeMissing", message),
+                cond.condition("NodeLabelled", False, "NodeMissing", message),
+                cond.condition("Ready", False, "NodeMissing", message),
+            ], "Pending")
+            await self._note_transition(body, outcome, new)
+            raise WaitingFor(message, delay=min(30.0, self.config.resync_seconds))
+
+        self.missing_nodes.discard(node_name)
+        # Label the node: this is what places the runtime there.
+        gpu_type = m.gpu_type_of(spec, node)
+        wanted = m.node_labels(gpu_type)
+        have = node.get("metadata", {}).get("labels") or {}
+        missing = {k: v for k, v in wanted.items() if have.get(k) != v}
+        if missing:
+            await self.kube.patch_labels("v1", "Node", node_name, missing)
+            await self._act(body, outcome, "NodeLabelled", f"Labelled node {node_name} with " +
+                            ", ".join(f"{k}={v}" for k, v in sorted(missing.items())))
+
+        children = [
+            m.build_serviceaccount(body, self.config),
+            m.build_clusterrole(body, self.config),
+            m.build_clusterrolebinding(body, self.config),
+            m.build_headless_service(body, self.config),
+            m.build_runtime_networkpolicy(body, self.config),
+            m.build_daemonset(body, self.config),
+        ]
+        objects = await self._ensure_all(body, children, outcome)
+
+        runtime_ready = self._runtime_condition(objects["DaemonSet"], node_name)
+        gossip = self._gossip_condition(body)
+        labelled = f"node {node_name} carries " + ", ".join(f"{k}={v}" for k, v in sorted(wanted.items()))
+        parts = [cond.condition("NodeFound", True, "NodeExists", f"Kubernetes Node {node_name} exists"),
+                 cond.condition("NodeLabelled", True, "Labelled", labelled), runtime_ready, gossip]
+        not_ready = [c for c in parts if c["status"] != cond.TRUE]
+        if not_ready:
+            first = not_ready[0]
+            ready = cond.condition("Ready", False, first["reason"], first["message"])
+            phase = "Degraded" if gossip["status"] == cond.FALSE else "Progressing"
+        else:
+            ready = cond.condition("Ready", True, "RuntimeServing",
+                                   f"runtime is ready on node {node_name} and publishing its GPU map")
+            phase = "Ready"
+        new = await self._conditions_status(body, INODE, parts + [ready], phase)
+        await self._note_transition(body, outcome, new)
+        outcome.ready = not not_ready
+        return outcome
+
+    @staticmethod
+    def _runtime_condition(daemonset: Mapping[str, Any], node_name: str) -> dict:
+        status = daemonset.get("status") or {}
+        meta = daemonset.get("metadata") or {}
+        desired = status.get("desiredNumberScheduled", 0)
+        ready = status.get("numberReady", 0)
+        updated = status.get("updatedNumberScheduled", 0)
+        observed = status.get("observedGeneration", 0)
+        if observed < meta.get("generation", 1):
+            return cond.condition("RuntimeReady", False, "RolloutPending",
+                                  "the DaemonSet controller has not seen the latest runtime spec yet")
+        if desired == 0:
+            return cond.condition("RuntimeReady", False, "NotScheduled",
+                                  f"no runtime pod is scheduled on node {node_name} yet")
+        if updated < desired:
+            return cond.condition("RuntimeReady", False, "RollingOut",
+                                  f"{updated}/{desired} runtime pods run the latest spec")
+        if ready < desired:
+            return cond.condition("RuntimeReady", False, "PodNotReady",
+                                  f"{ready}/{desired} runtime pods are ready on node {node_name}")
+        return cond.condition("RuntimeReady", True, "PodReady", f"runtime pod is ready on node {node_name}")
+
+    def _gossip_condition(self, body: Mapping[str, Any]) -> dict:
+        stale_after = int(((body.get("spec") or {}).get("gossip") or {}).get("staleAfterSeconds", 30))
+        beat = _parse_time((body.get("status") or {}).get("lastHeartbeat"))
+        if beat is None:
+            return cond.condition("GossipFresh", cond.UNKNOWN, "NoHeartbeat",
+                                  "the runtime has not published its GPU map yet")
+        age = (self.now() - beat).total_seconds()
+        if age > stale_after:
+            return cond.condition("GossipFresh", False, "HeartbeatStale",
+                                  f"last GPU-map heartbeat is older than {stale_after}s")
+        return cond.condition("GossipFresh", True, "HeartbeatRecent",
+                              f"GPU-map heartbeat within the last {stale_after}s")
+
+    async def delete_inference_node(self, body: Mapping[str, Any]) -> Outcome:
+        """Finalizer work: remove the node labels and every child (owner references would
+        collect the children too; deleting them here makes removal prompt and visible)."""
+        outcome = Outcome()
+        name = body["metadata"]["name"]
+        async with self._lock("InferenceNode", name):
+            node_name = (body.get("spec") or {}).get("nodeName")
+            if node_name:
+                self.node_index[node_name].discard(name)
+                others = self.node_index[node_name]
+                node = await self.kube.get("v1", "Node", node_name)
+                labels = (node or {}).get("metadata", {}).get("labels") or {}
+                ours = [k for k in (m.INFERENCE_NODE_LABEL, m.GPU_TYPE_LABEL) if k in labels]
+                if node is not None and ours and not others:
+                    await self.kube.patch_labels("v1", "Node", node_name, {k: None for k in ours})
+                    await self._act(body, outcome, "NodeUnlabelled",
+                                    f"Removed labels {', '.join(ours)} from node {node_name}")
+                if not others:
+                    self.node_index.pop(node_name, None)
+            child = m.runtime_name(name)
+            ns = self.config.runtime_namespace
+            for api_version, kind, namespace in (
+                ("apps/v1", "DaemonSet", ns), ("v1", "Service", ns), ("networking.k8s.io/v1", "NetworkPolicy", ns),
+                ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", None),
+                ("rbac.authorization.k8s.io/v1", "ClusterRole", None), ("v1", "ServiceAccount", ns),
+            ):
+                if await self.kube.delete(api_version, kind, child, namespace):
+                    where = f"{namespace}/" if namespace else ""
+                    await self._act(body, outcome, "Deleted", f"Deleted {kind} {where}{child}")
+        self._locks.pop(f"InferenceNode/{name}", None)
+        return outcome
+
+    # ================================================================= TenantQuota
+    async def reconcile_tenant_quota(self, body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Outcome:
+        name = body["metadata"]["name"]
+        async with self._lock("TenantQuota", name):
+            try:
+                outcome = await self._reconcile_tenant_quota(body, old)
+            except WaitingFor:
+                self.observe("TenantQuota", "waiting")
+                raise
+            except SpecError:
+                self.observe("TenantQuota", "invalid")
+                raise
+            except OperatorError:
+                self.observe("TenantQuota", "error")
+                raise
+            self.observe("TenantQuota", "ready" if outcome.ready else "progressing")
+            return outcome
+
+    async def _reconcile_tenant_quota(self, body: Mapping[str, Any], old: Mapping[str, Any] | None) -> Outcome:
+        outcome = Outcome()
+        spec = body.get("spec") or {}
+        problems = validation.tenant_quota_problems(spec)
+        if problems:
+            new = await self._conditions_status(body, TQUOTA, [
+                cond.condition("Ready", False, "InvalidSpec", "; ".join(problems))], "Degraded")
+            await self._note_transition(body, outcome, new)
+            raise SpecError(problems)
+
+        namespace, secret, key = m.secret_ref(body, self.config)
+        check = await self.kube.check_secret(namespace, secret, key)
+        # Messages name the Secret and the entry, never anything read from it.
+        if not check.found:
+            problem = ("SecretMissing", f"API-key Secret {namespace}/{secret} does not exist")
+        elif not check.has_key:
+            problem = ("KeyMissing", f"API-key Secret {namespace}/{secret} has no entry {key!r}")
+        elif check.key_count == 0:
+            problem = ("NoKeys", f"entry {key!r} of API-key Secret {namespace}/{secret} holds no keys")
+        else:
+            problem = None
+        if problem:
+            new = await self._conditions_status(body, TQUOTA, [
+                cond.condition("SecretFound", False, *problem),
+                cond.condition("Ready", False, *problem)], "Pending", keyCount=0)
+            await self._note_transition(body, outcome, new)
+            raise WaitingFor(problem[1], delay=min(10.0, self.config.resync_seconds))
+        secret_found = cond.condition("SecretFound", True, "SecretFound",
+                                      f"API-key Secret {namespace}/{secret} holds {check.key_count} key(s)")
+
+        # Secret moved to another namespace: the old Role and RoleBinding would linger until
+        # the TenantQuota is deleted (they are owned by it), so remove them now.
+        if old is not None:
+            old_ns = m.secret_ref(old, self.config)[0]
+            if old_ns != namespace:
+                for kind in ("RoleBinding", "Role"):
+                    if await self.kube.delete("rbac.authorization.k8s.io/v1", kind, m.tenant_name(body["metadata"]["name"]), old_ns):
+                        await self._act(body, outcome, "Deleted", f"Deleted {kind} {old_ns}/{m.tenant_name(body['metadata']['name'])}")
+
+        cilium = await self.kube.crd_exists(m.CILIUM_CRD)
+        policy = m.build_ciliumnetworkpolicy(body, self.config) if cilium else \
+            m.build_tenant_networkpolicy(body, self.config)
+        children = [policy, m.build_secret_role(body, self.config), m.build_secret_rolebinding(body, self.config)]
+        await self._ensure_all(body, children, outcome)
+        if cilium:
+            # The L7 policy replaces the plain one (see build_ciliumnetworkpolicy).
+            child = m.tenant_name(body["metadata"]["name"])
+            if await self.kube.delete("networking.k8s.io/v1", "NetworkPolicy", child, self.config.runtime_namespace):
+                await self._act(body, outcome, "Deleted", f"Deleted NetworkPolicy {self.config.runtime_namespace}/"
+                                f"{child} (replaced by a CiliumNetworkPolicy with L7 rules)")
+        kind = "CiliumNetworkPolicy" if cilium else "NetworkPolicy"
+        namespaces = ", ".join(sorted(set(spec["namespaces"])))
+        applied = cond.condition("PoliciesApplied", True, "PoliciesApplied",
+                                 f"{kind} {policy['metadata']['name']} admits namespaces {namespaces} "
+                                 "to the runtimes' serving port")
+        ready = cond.condition("Ready", True, "TenantAdmitted",
+                               f"tenant {spec['tenant']} can reach the runtimes from {namespaces}")
+        new = await self._conditions_status(body, TQUOTA, [secret_found, applied, ready], "Ready",
+                                            keyCount=check.key_count,
+                                            networkPolicies=[policy["metadata"]["name"]])
+        await self._note_transition(body, outcome, new)
+        outcome.ready = True
+        return outcome
+
+    async def delete_tenant_quota(self, body: Mapping[str, Any]) -> Outcome:
+        outcome = Outcome()
+        name = body["metadata"]["name"]
+        child = m.tenant_name(name)
+        async with self._lock("TenantQuota", name):
+            secret_ns = m.secret_ref(body, self.config)[0]
+            targets = [("networking.k8s.io/v1", "NetworkPolicy", self.config.runtime_namespace),
+                       ("rbac.authorization.k8s.io/v1", "RoleBinding", secret_ns),
+                       ("rbac.authorization.k8s.io/v1", "Role", secret_ns)]
+            if await self.kube.crd_exists(m.CILIUM_CRD):
+                targets.insert(0, ("cilium.io/v2", "CiliumNetworkPolicy", self.config.runtime_namespace))
+            for api_version, kind, namespace in targets:
+                if await self.kube.delete(api_version, kind, child, namespace):
+                    await self._act(body, outcome, "Deleted", f"Deleted {kind} {namespace}/{child}")
+        self._locks.pop(f"TenantQuota/{name}", None)
+        return outcome
+
+    # ================================================================= cross-object triggers
+    async def reconcile_inference_node_by_name(self, name: str) -> Outcome | None:
+        """Reconcile an InferenceNode named by a child's or a Node's event (None if it is gone)."""
+        body = await self.kube.get(*INODE, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        return await self.reconcile_inference_node(body)
+
+    async def reconcile_tenant_quota_by_name(self, name: str) -> Outcome | None:
+        body = await self.kube.get(*TQUOTA, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        return await self.reconcile_tenant_quota(body)

@@ -1,0 +1,101 @@
+"""An in-memory stand-in for :class:`zerolayer.operator.kube.Kube` (the operator's own API wrapper).
+
+Unit tests of the reconciler mock at this level, not at HTTP: it keeps objects in a dict,
+applies merge patches, and records every write, so tests can assert "a second reconcile
+writes nothing". It is a test double for a cluster, named as such; the e2e tier runs the
+real wrapper against a real API server.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+from zerolayer.operator.kube import SecretCheck, is_subset, _comparable
+
+_uid = itertools.count(1)
+
+
+def merge(target: dict, patch: dict) -> dict:
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            merge(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
+    return target
+
+
+class FakeKube:
+    def __init__(self):
+        self.objects: dict[tuple, dict] = {}
+        self.writes: list[tuple] = []
+        self.events: list[tuple] = []
+        self.crds: set[str] = set()
+        self.secrets: dict[tuple[str, str], dict[str, str]] = {}
+
+    # helpers for tests
+    def put(self, obj: dict) -> dict:
+        obj = copy.deepcopy(obj)
+        meta = obj["metadata"]
+        meta.setdefault("uid", f"uid-{next(_uid)}")
+        meta.setdefault("generation", 1)
+        self.objects[(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])] = obj
+        return obj
+
+    def find(self, api_version, kind, name, namespace=None):
+        return self.objects.get((api_version, kind, namespace, name))
+
+    def kinds(self, kind):
+        return sorted(k[3] for k in self.objects if k[1] == kind)
+
+    # the Kube interface
+    async def get(self, api_version, kind, name, namespace=None):
+        obj = self.find(api_version, kind, name, namespace)
+        return copy.deepcopy(obj) if obj else None
+
+    async def ensure(self, desired):
+        meta = desired["metadata"]
+        key = (desired["apiVersion"], desired["kind"], meta.get("namespace"), meta["name"])
+        current = self.objects.get(key)
+        if current is None:
+            self.writes.append(("create",) + key)
+            return "created", copy.deepcopy(self.put(desired))
+        want = _comparable(desired)
+        if is_subset(want, current):
+            return "unchanged", copy.deepcopy(current)
+        self.writes.append(("patch",) + key)
+        return "updated", copy.deepcopy(merge(current, want))
+
+    async def delete(self, api_version, kind, name, namespace=None):
+        key = (api_version, kind, namespace, name)
+        if key in self.objects:
+            del self.objects[key]
+            self.writes.append(("delete",) + key)
+            return True
+        return False
+
+    async def patch_labels(self, api_version, kind, name, labels, namespace=None):
+        obj = self.objects[(api_version, kind, namespace, name)]
+        merge(obj["metadata"].setdefault("labels", {}), dict(labels))
+        self.writes.append(("labels", api_version, kind, namespace, name))
+
+    async def patch_status(self, api_version, kind, name, status, namespace=None):
+        obj = self.objects[(api_version, kind, namespace, name)]
+        merge(obj.setdefault("status", {}), copy.deepcopy(dict(status)))
+        self.writes.append(("status", api_version, kind, namespace, name))
+
+    async def crd_exists(self, name):
+        return name in self.crds
+
+    async def check_secret(self, namespace, name, key):
+        data = self.secrets.get((namespace, name))
+        if data is None:
+            return SecretCheck(found=False)
+        if key not in data:
+            return SecretCheck(found=True)
+        return SecretCheck(found=True, has_key=True, key_count=len([x for x in data[key].splitlines() if x.strip()]))
+
+    async def event(self, involved, reason, message, *, warning=False):
+        self.events.append((involved["kind"], involved["metadata"]["name"], reason, message, warning))

@@ -1,0 +1,174 @@
+"""The pure builders: runtime pod shape, RBAC, policies, names. No cluster."""
+
+import pytest
+
+from zerolayer.operator import manifests as m
+from zerolayer.operator.config import OperatorConfig
+
+CONFIG = OperatorConfig(runtime_namespace="zl-run", operator_namespace="zl-op",
+                        metrics_scraper_namespaces=("monitoring",), runtime_image="img:1")
+
+
+def inode(name="gpu-node-0", **spec):
+    return {"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode",
+            "metadata": {"name": name, "uid": "u-1", "generation": 1},
+            "spec": {"nodeName": name, "models": [{"name": "tiny", "source": "/m"}], **spec}}
+
+
+def tquota(name="team-a", **spec):
+    return {"apiVersion": "zerolayer.io/v1alpha1", "kind": "TenantQuota",
+            "metadata": {"name": name, "uid": "u-2", "generation": 1},
+            "spec": {"tenant": name, "apiKeySecretRef": {"name": f"{name}-keys"}, "namespaces": ["b", "a"],
+                     "tokensPerMinute": 100, "requestsPerMinute": 10, **spec}}
+
+
+def containers(ds):
+    return {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
+
+
+def test_daemonset_runs_three_containers_on_exactly_its_node():
+    ds = m.build_daemonset(inode(), CONFIG)
+    pod = ds["spec"]["template"]["spec"]
+    assert set(containers(ds)) == {"server", "defragd", "auditor"}
+    assert pod["nodeSelector"] == {m.INFERENCE_NODE_LABEL: "true"}
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term == [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-node-0"]}]}]
+    assert pod["shareProcessNamespace"] is True
+    assert pod["serviceAccountName"] == "zl-runtime-gpu-node-0"
+    assert ds["metadata"]["namespace"] == "zl-run"
+    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_server_is_non_root_read_only_with_gpu_probes_and_drain():
+    ds = m.build_daemonset(inode(runtime={"gpus": 2, "drainSeconds": 60, "port": 9443}), CONFIG)
+    server = containers(ds)["server"]
+    sc = server["securityContext"]
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert server["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert server["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert server["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert server["ports"] == [{"name": "serving", "containerPort": 9443, "protocol": "TCP"}]
+    assert ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 70
+    env = {e["name"]: e for e in server["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["ZEROLAYER_INFERENCE_NODE"]["value"] == "gpu-node-0"
+
+
+def test_images_and_resources_come_from_spec_over_chart_defaults():
+    ds = m.build_daemonset(inode(), CONFIG)
+    assert containers(ds)["server"]["image"] == "img:1"
+    assert containers(ds)["server"]["resources"]["requests"]["memory"] == "16Gi"
+    ds = m.build_daemonset(inode(runtime={"image": "mine:2", "imagePullPolicy": "Always",
+                                          "resources": {"requests": {"memory": "4Gi"}}}), CONFIG)
+    server = containers(ds)["server"]
+    assert server["image"] == "mine:2" and server["imagePullPolicy"] == "Always"
+    assert server["resources"]["requests"] == {"cpu": "4", "memory": "4Gi", "nvidia.com/gpu": "1"}
+    assert {c["image"] for c in containers(ds).values()} == {"mine:2"}
+
+
+def test_zero_gpus_requests_none():
+    server = containers(m.build_daemonset(inode(runtime={"gpus": 0}), CONFIG))["server"]
+    assert "nvidia.com/gpu" not in server["resources"].get("requests", {})
+
+
+def test_auditor_has_bpf_capabilities_and_host_mounts_but_is_not_privileged():
+    ds = m.build_daemonset(inode(), CONFIG)
+    auditor = containers(ds)["auditor"]
+    sc = auditor["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert {"BPF", "PERFMON", "SYS_RESOURCE"} <= set(sc["capabilities"]["add"])
+    assert "SYS_ADMIN" not in sc["capabilities"]["add"]
+    mounts = {v["mountPath"] for v in auditor["volumeMounts"]}
+    assert {"/sys/kernel/tracing", "/sys/fs/bpf", "/lib/modules", "/usr/src"} <= mounts
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tracefs"]["hostPath"]["path"] == "/sys/kernel/tracing"
+
+
+def test_optional_containers_follow_spec():
+    ds = m.build_daemonset(inode(defrag={"enabled": False}, audit={"enabled": False}), CONFIG)
+    assert set(containers(ds)) == {"server"}
+    assert not any("hostPath" in v for v in ds["spec"]["template"]["spec"]["volumes"])
+    reset = containers(m.build_daemonset(inode(defrag={"enabled": True, "allowReset": True}), CONFIG))["defragd"]
+    assert reset["securityContext"]["capabilities"]["add"] == ["SYS_ADMIN"]
+    plain = containers(m.build_daemonset(inode(), CONFIG))["defragd"]
+    assert plain["securityContext"]["runAsNonRoot"] is True and "add" not in plain["securityContext"]["capabilities"]
+
+
+def test_tls_switches_probes_to_https_and_mounts_the_secret():
+    ds = m.build_daemonset(inode(runtime={"tlsSecretName": "cert"}), CONFIG)
+    server = containers(ds)["server"]
+    assert server["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert {"name": "tls", "secret": {"secretName": "cert"}} in ds["spec"]["template"]["spec"]["volumes"]
+
+
+def test_children_are_owned_by_their_custom_resource():
+    body = inode()
+    for build in (m.build_daemonset, m.build_serviceaccount, m.build_clusterrole, m.build_clusterrolebinding,
+                  m.build_headless_service, m.build_runtime_networkpolicy):
+        meta = build(body, CONFIG)["metadata"]
+        assert meta["ownerReferences"] == [{"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode",
+                                            "name": "gpu-node-0", "uid": "u-1", "controller": True}]
+        assert meta["name"] == "zl-runtime-gpu-node-0"
+        assert meta["annotations"][m.OWNER_NAME_ANNOTATION] == "InferenceNode/gpu-node-0"
+    for build in (m.build_tenant_networkpolicy, m.build_ciliumnetworkpolicy, m.build_secret_role,
+                  m.build_secret_rolebinding):
+        meta = build(tquota(), CONFIG)["metadata"]
+        assert meta["ownerReferences"][0]["kind"] == "TenantQuota"
+        assert meta["name"] == "zl-tenant-team-a"
+
+
+def test_runtime_rbac_is_least_privilege():
+    role = m.build_clusterrole(inode(), CONFIG)
+    status_rule = [r for r in role["rules"] if r["resources"] == ["inferencenodes/status"]][0]
+    assert status_rule["resourceNames"] == ["gpu-node-0"]
+    verbs = {v for r in role["rules"] for v in r["verbs"]}
+    assert verbs <= {"get", "list", "watch", "patch"}
+    assert not any("secrets" in r["resources"] for r in role["rules"])
+    binding = m.build_clusterrolebinding(inode(), CONFIG)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "zl-runtime-gpu-node-0", "namespace": "zl-run"}]
+    secret_role = m.build_secret_role(tquota(), CONFIG)
+    assert secret_role["metadata"]["namespace"] == "zl-run"  # Secret namespace defaults to the runtime's
+    assert secret_role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["team-a-keys"],
+                                     "verbs": ["get", "list", "watch"]}]
+    rb = m.build_secret_rolebinding(tquota(apiKeySecretRef={"name": "k", "namespace": "vault"}), CONFIG)
+    assert rb["metadata"]["namespace"] == "vault"
+    assert rb["subjects"][0]["name"] == "system:serviceaccounts:zl-run"
+
+
+def test_network_policies_admit_only_declared_namespaces_on_the_serving_port():
+    base = m.build_runtime_networkpolicy(inode(), CONFIG)
+    rule = base["spec"]["ingress"][0]
+    assert rule["ports"] == [{"protocol": "TCP", "port": "serving"}]
+    assert rule["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["monitoring", "zl-op"]
+    assert base["spec"]["policyTypes"] == ["Ingress"]
+    tenant = m.build_tenant_networkpolicy(tquota(), CONFIG)
+    assert tenant["metadata"]["namespace"] == "zl-run"
+    assert tenant["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "zerolayer-runtime"}}
+    assert tenant["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["a", "b"]
+
+
+def test_cilium_policy_requires_an_api_key_header_from_tenant_namespaces():
+    cnp = m.build_ciliumnetworkpolicy(tquota(), CONFIG)
+    assert cnp["apiVersion"] == "cilium.io/v2"
+    ingress = cnp["spec"]["ingress"][0]
+    assert [e["matchLabels"]["k8s:io.kubernetes.pod.namespace"] for e in ingress["fromEndpoints"]] == ["a", "b"]
+    assert ingress["toPorts"][0]["rules"]["http"] == [{"headers": ["x-api-key"]}, {"headers": ["authorization"]}]
+
+
+def test_names_stay_valid_for_long_resource_names():
+    long = "n" * 240
+    name = m.runtime_name(long)
+    assert len(name) <= 52 and name == m.runtime_name(long)
+    assert m.runtime_name(long) != m.runtime_name(long + "x")
+    assert len(m.label_value("x" * 100)) <= 63
+    assert m.label_value("NVIDIA H100 80GB") == "NVIDIA-H100-80GB"
+
+
+def test_node_labels_and_gpu_type():
+    node = {"metadata": {"labels": {m.GFD_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}}}
+    assert m.gpu_type_of({}, node) == "NVIDIA-H100-80GB-HBM3"
+    assert m.gpu_type_of({"gpuType": "A100"}, node) == "A100"
+    assert m.node_labels("A100") == {m.INFERENCE_NODE_LABEL: "true", m.GPU_TYPE_LABEL: "A100"}
+    assert m.node_labels(None) == {m.INFERENCE_NODE_LABEL: "true"}

@@ -1,0 +1,241 @@
+"""The reconciler against FakeKube (tests/unit/operator/fakes.py): idempotency, conditions,
+events, waiting for missing dependencies, finalizer cleanup, drift repair."""
+
+import datetime
+
+import pytest
+
+from zerolayer.operator import manifests as m
+from zerolayer.operator.config import OperatorConfig
+from zerolayer.operator.errors import SpecError
+from zerolayer.operator.reconcile import Reconciler, WaitingFor
+
+from .fakes import FakeKube
+
+NOW = datetime.datetime(2026, 1, 1, 12, tzinfo=datetime.timezone.utc)
+CONFIG = OperatorConfig(runtime_namespace="zl-run", operator_namespace="zl-op")
+RUNTIME_KINDS = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "NetworkPolicy", "Service", "ServiceAccount"]
+
+
+def world(with_node=True):
+    kube = FakeKube()
+    if with_node:
+        kube.put({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": "gpu-node-0", "labels": {m.GFD_PRODUCT_LABEL: "NVIDIA-H100"}}})
+    inode = kube.put({"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode",
+                      "metadata": {"name": "gpu-node-0", "generation": 3},
+                      "spec": {"nodeName": "gpu-node-0", "models": [{"name": "tiny", "source": "/m"}]}})
+    return kube, Reconciler(kube, CONFIG, now=lambda: NOW), inode
+
+
+def current(kube, kind="InferenceNode", name="gpu-node-0"):
+    return kube.find("zerolayer.io/v1alpha1", kind, name)
+
+
+def conditions(obj):
+    return {c["type"]: c for c in obj["status"]["conditions"]}
+
+
+def mark_runtime_ready(kube):
+    ds = kube.find("apps/v1", "DaemonSet", "zl-runtime-gpu-node-0", "zl-run")
+    ds["status"] = {"desiredNumberScheduled": 1, "numberReady": 1, "updatedNumberScheduled": 1,
+                    "observedGeneration": 1}
+
+
+def heartbeat(kube, at=NOW):
+    current(kube)["status"]["lastHeartbeat"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def test_first_reconcile_labels_node_creates_children_and_reports_progress():
+    kube, rec, inode = world()
+    outcome = await rec.reconcile_inference_node(inode)
+    node = kube.find("v1", "Node", "gpu-node-0")
+    assert node["metadata"]["labels"][m.INFERENCE_NODE_LABEL] == "true"
+    assert node["metadata"]["labels"][m.GPU_TYPE_LABEL] == "NVIDIA-H100"
+    for kind in RUNTIME_KINDS:
+        assert kube.kinds(kind) == ["zl-runtime-gpu-node-0"], kind
+    status = current(kube)["status"]
+    assert status["phase"] == "Progressing" and status["observedGeneration"] == 3
+    c = conditions(current(kube))
+    assert c["NodeLabelled"]["status"] == "True"
+    assert c["RuntimeReady"]["status"] == "False" and c["RuntimeReady"]["reason"] == "NotScheduled"
+    assert c["GossipFresh"]["status"] == "Unknown"
+    assert c["Ready"]["status"] == "False" and c["Ready"]["observedGeneration"] == 3
+    reasons = [e[2] for e in kube.events]
+    assert reasons.count("Created") == 6 and "NodeLabelled" in reasons
+    assert any("Created DaemonSet zl-run/zl-runtime-gpu-node-0" == e[3] for e in kube.events)
+    assert not outcome.ready
+
+
+async def test_second_reconcile_writes_nothing_and_emits_no_event():
+    kube, rec, inode = world()
+    await rec.reconcile_inference_node(inode)
+    writes, events = len(kube.writes), len(kube.events)
+    outcome = await rec.reconcile_inference_node(current(kube))
+    assert kube.writes[writes:] == [] and kube.events[events:] == []
+    assert outcome.actions == []
+
+
+async def test_ready_needs_runtime_pod_and_fresh_gossip():
+    kube, rec, inode = world()
+    await rec.reconcile_inference_node(inode)
+    mark_runtime_ready(kube)
+    await rec.reconcile_inference_node(current(kube))
+    assert conditions(current(kube))["RuntimeReady"]["status"] == "True"
+    assert current(kube)["status"]["phase"] == "Progressing"
+    heartbeat(kube)
+    outcome = await rec.reconcile_inference_node(current(kube))
+    assert outcome.ready and current(kube)["status"]["phase"] == "Ready"
+    assert conditions(current(kube))["Ready"]["status"] == "True"
+    assert kube.events[-1][2] == "Ready"
+    # heartbeat goes stale: Degraded, with a warning event saying why
+    heartbeat(kube, NOW - datetime.timedelta(minutes=5))
+    await rec.reconcile_inference_node(current(kube))
+    assert current(kube)["status"]["phase"] == "Degraded"
+    assert conditions(current(kube))["GossipFresh"]["reason"] == "HeartbeatStale"
+    assert kube.events[-1][2] == "HeartbeatStale" and kube.events[-1][4] is True
+
+
+async def test_missing_node_is_a_condition_and_a_retry():
+    kube, rec, inode = world(with_node=False)
+    with pytest.raises(WaitingFor) as err:
+        await rec.reconcile_inference_node(inode)
+    assert err.value.delay > 0
+    c = conditions(current(kube))
+    assert c["NodeFound"]["status"] == "False" and c["NodeFound"]["reason"] == "NodeMissing"
+    assert current(kube)["status"]["phase"] == "Pending"
+    assert kube.kinds("DaemonSet") == []
+    assert "gpu-node-0" in rec.missing_nodes
+
+
+async def test_invalid_spec_is_permanent_and_visible():
+    kube, rec, inode = world()
+    inode["spec"]["models"] = [{"name": "a", "lighterModel": "nope"}]
+    with pytest.raises(SpecError):
+        await rec.reconcile_inference_node(inode)
+    c = conditions(current(kube))
+    assert c["Ready"]["reason"] == "InvalidSpec" and "does not serve" in c["Ready"]["message"]
+    assert kube.kinds("DaemonSet") == []
+
+
+async def test_drift_is_repaired():
+    kube, rec, inode = world()
+    await rec.reconcile_inference_node(inode)
+    await kube.delete("apps/v1", "DaemonSet", "zl-runtime-gpu-node-0", "zl-run")
+    del kube.find("v1", "Node", "gpu-node-0")["metadata"]["labels"][m.INFERENCE_NODE_LABEL]
+    kube.find("networking.k8s.io/v1", "NetworkPolicy", "zl-runtime-gpu-node-0", "zl-run")["spec"]["ingress"] = []
+    outcome = await rec.reconcile_inference_node(current(kube))
+    assert kube.kinds("DaemonSet") == ["zl-runtime-gpu-node-0"]
+    assert kube.find("v1", "Node", "gpu-node-0")["metadata"]["labels"][m.INFERENCE_NODE_LABEL] == "true"
+    assert kube.find("networking.k8s.io/v1", "NetworkPolicy", "zl-runtime-gpu-node-0", "zl-run")["spec"]["ingress"]
+    assert sorted(a.split()[0] for a in outcome.actions) == ["Created", "Labelled", "Updated"]
+
+
+async def test_spec_change_patches_the_daemonset():
+    kube, rec, inode = world()
+    await rec.reconcile_inference_node(inode)
+    body = current(kube)
+    body["spec"]["runtime"] = {"image": "new:2"}
+    outcome = await rec.reconcile_inference_node(body)
+    assert outcome.actions == ["Updated DaemonSet zl-run/zl-runtime-gpu-node-0"]
+    ds = kube.find("apps/v1", "DaemonSet", "zl-runtime-gpu-node-0", "zl-run")
+    assert {c["image"] for c in ds["spec"]["template"]["spec"]["containers"]} == {"new:2"}
+
+
+async def test_delete_removes_labels_and_children_once():
+    kube, rec, inode = world()
+    await rec.reconcile_inference_node(inode)
+    await rec.delete_inference_node(current(kube))
+    labels = kube.find("v1", "Node", "gpu-node-0")["metadata"]["labels"]
+    assert m.INFERENCE_NODE_LABEL not in labels and m.GPU_TYPE_LABEL not in labels
+    assert labels[m.GFD_PRODUCT_LABEL] == "NVIDIA-H100"  # not ours: untouched
+    for kind in RUNTIME_KINDS:
+        assert kube.kinds(kind) == [], kind
+    again = await rec.delete_inference_node(current(kube))
+    assert again.actions == []
+
+
+# ----------------------------------------------------------------------------- TenantQuota
+def tq_world(secret=True, cilium=False):
+    kube = FakeKube()
+    if secret:
+        kube.secrets[("zl-run", "team-a-keys")] = {"api-keys": "sk-secret-1\nsk-secret-2\n"}
+    if cilium:
+        kube.crds.add(m.CILIUM_CRD)
+    body = kube.put({"apiVersion": "zerolayer.io/v1alpha1", "kind": "TenantQuota",
+                     "metadata": {"name": "team-a", "generation": 1},
+                     "spec": {"tenant": "team-a", "apiKeySecretRef": {"name": "team-a-keys"},
+                              "namespaces": ["team-a"], "tokensPerMinute": 100, "requestsPerMinute": 10},
+                     "status": {"usage": {"tokensThisWindow": 42}}})
+    return kube, Reconciler(kube, CONFIG, now=lambda: NOW), body
+
+
+def tq(kube):
+    return current(kube, "TenantQuota", "team-a")
+
+
+async def test_tenant_quota_creates_policy_and_secret_access_and_keeps_usage():
+    kube, rec, body = tq_world()
+    outcome = await rec.reconcile_tenant_quota(body)
+    assert outcome.ready
+    assert kube.kinds("NetworkPolicy") == ["zl-tenant-team-a"]
+    assert kube.kinds("Role") == ["zl-tenant-team-a"] and kube.kinds("RoleBinding") == ["zl-tenant-team-a"]
+    status = tq(kube)["status"]
+    assert status["phase"] == "Ready" and status["keyCount"] == 2
+    assert status["networkPolicies"] == ["zl-tenant-team-a"]
+    assert status["usage"] == {"tokensThisWindow": 42}  # the auditor's field is left alone
+    writes = len(kube.writes)
+    await rec.reconcile_tenant_quota(tq(kube))
+    assert kube.writes[writes:] == []
+
+
+async def test_missing_secret_waits_and_never_leaks_values():
+    kube, rec, body = tq_world(secret=False)
+    with pytest.raises(WaitingFor):
+        await rec.reconcile_tenant_quota(body)
+    c = conditions(tq(kube))
+    assert c["SecretFound"]["reason"] == "SecretMissing" and tq(kube)["status"]["phase"] == "Pending"
+    assert kube.kinds("NetworkPolicy") == []
+    kube.secrets[("zl-run", "team-a-keys")] = {"api-keys": "sk-secret-1\n"}
+    await rec.reconcile_tenant_quota(tq(kube))
+    assert tq(kube)["status"]["phase"] == "Ready"
+    blob = repr(tq(kube)["status"]) + repr(kube.events)
+    assert "sk-secret" not in blob
+
+
+async def test_empty_key_entry_is_not_ready():
+    kube, rec, body = tq_world(secret=False)
+    kube.secrets[("zl-run", "team-a-keys")] = {"api-keys": "\n\n"}
+    with pytest.raises(WaitingFor):
+        await rec.reconcile_tenant_quota(body)
+    assert conditions(tq(kube))["SecretFound"]["reason"] == "NoKeys"
+
+
+async def test_with_cilium_the_l7_policy_replaces_the_plain_one():
+    kube, rec, body = tq_world()
+    await rec.reconcile_tenant_quota(body)
+    assert kube.kinds("NetworkPolicy") == ["zl-tenant-team-a"]
+    kube.crds.add(m.CILIUM_CRD)
+    await rec.reconcile_tenant_quota(tq(kube))
+    assert kube.kinds("CiliumNetworkPolicy") == ["zl-tenant-team-a"]
+    assert kube.kinds("NetworkPolicy") == []
+    assert "CiliumNetworkPolicy" in conditions(tq(kube))["PoliciesApplied"]["message"]
+
+
+async def test_tenant_quota_delete_cleans_up():
+    kube, rec, body = tq_world()
+    await rec.reconcile_tenant_quota(body)
+    await rec.delete_tenant_quota(tq(kube))
+    assert kube.kinds("NetworkPolicy") == kube.kinds("Role") == kube.kinds("RoleBinding") == []
+
+
+async def test_secret_namespace_change_moves_the_role():
+    kube, rec, body = tq_world()
+    await rec.reconcile_tenant_quota(body)
+    kube.secrets[("vault", "team-a-keys")] = {"api-keys": "k\n"}
+    new = tq(kube)
+    old = {"spec": dict(new["spec"])}
+    new["spec"] = {**new["spec"], "apiKeySecretRef": {"name": "team-a-keys", "namespace": "vault"}}
+    await rec.reconcile_tenant_quota(new, old)
+    roles = [k for k in kube.objects if k[1] == "Role"]
+    assert roles == [("rbac.authorization.k8s.io/v1", "Role", "vault", "zl-tenant-team-a")]
