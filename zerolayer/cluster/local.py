@@ -92,6 +92,9 @@ class LocalCluster:
         self.kubeconfig = self.dir / "kubeconfig"
         self.log = log
         self._toolchain: build.Toolchain | None = None
+        # Popen objects of processes this instance started: kept so they are not garbage-collected
+        # while running (a ResourceWarning) and so down() can reap them properly.
+        self._children: dict[int, subprocess.Popen] = {}
 
     # ------------------------------------------------------------------ state
     @property
@@ -191,6 +194,7 @@ class LocalCluster:
                                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=self.dir)
             logf.close()
+            self._children[proc.pid] = proc
             state["components"].append(dataclasses.asdict(Component(name, proc.pid, ports[port_key])))
             self.state_file.write_text(json.dumps(state, indent=2))
 
@@ -326,8 +330,10 @@ class LocalCluster:
                     os.killpg(c.pid, signal.SIGKILL)
         # Reap our own children (when up() and down() run in one process) so no zombie stays.
         for c in comps:
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(c.pid, os.WNOHANG)
+            child = self._children.pop(c.pid, None)
+            if child is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=5)
         existed = self.dir.exists()
         shutil.rmtree(self.dir, ignore_errors=True)
         if not quiet:
