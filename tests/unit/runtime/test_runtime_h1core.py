@@ -1,0 +1,85 @@
+"""The sans-IO HTTP/1.1 core: same gate-before-body contract as HTTP/2."""
+
+from __future__ import annotations
+
+import h11
+
+from zerolayer.runtime.limits import Limits
+from zerolayer.runtime.protocol.events import Accept, ConnectionEnded, Reject, RequestReady
+from zerolayer.runtime.protocol.h1conn import H1ServerCore
+
+
+def request(body: bytes, path: str = "/v1/messages", extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: node\r\ncontent-length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+def parse_responses(data: bytes) -> list[object]:
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(data)
+    out = []
+    while True:
+        event = client.next_event()
+        if event in (h11.NEED_DATA, h11.PAUSED):
+            return out
+        out.append(event)
+        if isinstance(event, h11.EndOfMessage):
+            return out
+
+
+def test_accepted_request_is_ready_with_body():
+    heads = []
+    core = H1ServerCore(lambda head: heads.append(head) or Accept(1000, "ctx"), Limits())
+    (ready,) = core.receive(request(b'{"x":1}', extra="x-api-key: k\r\n"))
+    assert isinstance(ready, RequestReady) and ready.body == b'{"x":1}' and ready.context == "ctx"
+    assert heads[0].headers["x-api-key"] == "k" and heads[0].http_version == "1.1"
+    core.send_head(ready.head.stream_id, 200, [("content-length", "2")])
+    core.send_data(ready.head.stream_id, b"ok", end=True)
+    events = parse_responses(core.data_to_send())
+    assert events[0].status_code == 200
+
+
+def test_rejected_request_body_is_not_kept_and_the_connection_closes():
+    seen = []
+
+    def gate(head):  # type: ignore[no-untyped-def]
+        seen.append(core.discarded_body_bytes)
+        return Reject(401, [("x-zerolayer-error", "AUTHENTICATION")], b"{}")
+
+    core = H1ServerCore(gate, Limits())
+    body = b"z" * 5000
+    raw = request(body)
+    events = core.receive(raw[:200]) + core.receive(raw[200:])
+    assert not any(isinstance(e, RequestReady) for e in events)
+    assert seen == [0]
+    response = parse_responses(core.data_to_send())[0]
+    assert response.status_code == 401
+    assert (b"connection", b"close") in response.headers
+    assert core.ended  # closing instead of reading a body nobody will use
+
+
+def test_two_requests_on_one_connection_are_served_in_turn():
+    core = H1ServerCore(lambda head: Accept(100, head.path), Limits())
+    (first,) = core.receive(request(b"{}", "/a") + request(b"{}", "/b"))
+    assert first.context == "/a"
+    core.send_head(first.head.stream_id, 200, [("content-length", "0")])
+    core.send_data(first.head.stream_id, b"", end=True)
+    (second,) = core.resume()
+    assert second.context == "/b" and second.head.stream_id != first.head.stream_id
+
+
+def test_too_many_headers_get_431():
+    hits = []
+    core = H1ServerCore(lambda head: Accept(0), Limits(max_header_count=3), on_limit=hits.append)
+    extra = "".join(f"x-h{i}: v\r\n" for i in range(5))
+    assert core.receive(request(b"", extra=extra)) == []
+    assert parse_responses(core.data_to_send())[0].status_code == 431
+    assert hits == ["max_header_count"]
+
+
+def test_garbage_gets_400_and_closes():
+    core = H1ServerCore(lambda head: Accept(0), Limits())
+    events = core.receive(b"\x16\x03\x01 not http\r\n\r\n")
+    assert any(isinstance(e, ConnectionEnded) for e in events)
+    assert b"400" in core.data_to_send()[:20]
