@@ -202,9 +202,12 @@ class Router:
         for endpoint in [*names, *([self.fallback] if self.fallback else [])]:
             if endpoint in tried and self.breaker(endpoint).available(now) and self._take(endpoint):
                 return Target(endpoint, names.get(endpoint), "ring" if endpoint in names else "fallback")
+        with self._lock:
+            opened = sorted(e for e, b in self._breakers.items() if b.state is not BreakerState.CLOSED)
         raise errors.NoNodeAvailable(
             f"no node admits work: {len(self.node_map.nodes())} in the map, {len(nodes)} fresh and admitting, "
-            f"circuits open or failed for this request: {sorted(tried) or 'none'}, fallback: {self.fallback or 'none'}"
+            f"circuits open: {opened or 'none'}, failed for this request: {sorted(tried) or 'none'}, "
+            f"fallback: {self.fallback or 'none'}"
         )
 
     def record(self, target: Target, error: errors.APIError | None) -> None:

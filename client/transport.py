@@ -57,13 +57,15 @@ def _authority(url: str) -> str:
     return httpx.URL(url).netloc.decode()
 
 
-def _h2_event(exc: BaseException) -> object | None:
-    """The h2 StreamReset / ConnectionTerminated event carried on ``exc``'s cause chain."""
+def _h2_cause(exc: BaseException) -> object | None:
+    """The h2 StreamReset / ConnectionTerminated event or StreamClosedError on ``exc``'s cause chain."""
     seen = 0
     current: BaseException | None = exc
     while current is not None and seen < 8:
+        if isinstance(current, h2.exceptions.StreamClosedError):
+            return current
         for arg in current.args:
-            if isinstance(arg, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+            if isinstance(arg, (h2.events.StreamReset, h2.events.ConnectionTerminated, h2.exceptions.StreamClosedError)):
                 return arg
         current = current.__cause__ or current.__context__
         seen += 1
@@ -75,8 +77,18 @@ def convert_error(
 ) -> errors.APIError:
     """An SDK error for an httpx (or h2) failure on one attempt. Sets ``__cause__``."""
     common = dict(endpoint=endpoint, request_id=request_id, tokens_delivered=tokens_delivered)
-    event = _h2_event(exc)
-    if isinstance(event, h2.events.StreamReset):
+    event = _h2_cause(exc)
+    if isinstance(event, h2.exceptions.StreamClosedError):
+        # The server ended the stream while we were still sending the request: it answered
+        # (refused) at HEADERS time and reset with NO_ERROR, as RFC 9113 §8.1 allows. httpcore
+        # cannot read such an early response, but the server cannot have generated anything
+        # without the body, so the work is certainly unprocessed.
+        err = errors.StreamRefused(
+            "the server closed the stream before the request body was sent (an early refusal)",
+            processed=False,
+            **common,
+        )
+    elif isinstance(event, h2.events.StreamReset):
         err = wire.error_from_reset(int(event.error_code), **common)
     elif isinstance(event, h2.events.ConnectionTerminated):
         err = errors.APIConnectionError(
