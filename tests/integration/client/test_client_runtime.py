@@ -182,3 +182,27 @@ def test_retry_budget_holds_during_a_total_outage(runtimes):
           f"({attempts / requests:.2f}x), retries granted {budget.retries}, denied {budget.denied}")
     assert failures == requests
     assert attempts <= 1.2 * requests + budget.burst
+
+
+# --------------------------------------------------------------------------- migration path
+def test_official_anthropic_sdk_talks_to_the_runtime(runtimes):
+    """docs/client.md's migration note: the official SDK pointed at a runtime with base_url."""
+    import anthropic
+
+    node = runtimes()
+    official = anthropic.Anthropic(
+        api_key=KEY, base_url=node.url, max_retries=0,
+        default_headers={"x-zerolayer-priority": "high", "x-zerolayer-session": "s1",
+                         "x-zerolayer-deadline-nanos": "5000000000"},
+    )  # fmt: skip
+    try:
+        message = official.messages.create(model="tiny", max_tokens=5, messages=ask(1))
+        assert message.usage.output_tokens == 5 and message.content[0].text
+        with official.messages.stream(model="tiny", max_tokens=3, messages=ask(2)) as stream:
+            assert len("".join(stream.text_stream).split()) == 3
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(api_key="wrong", base_url=node.url, max_retries=0).messages.create(
+                model="tiny", max_tokens=1, messages=ask(3)
+            )
+    finally:
+        official.close()

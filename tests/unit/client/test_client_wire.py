@@ -170,3 +170,35 @@ def test_vocabulary_classes_are_one_family():
         assert issubclass(cls, errors.APIError) and issubclass(cls, errors.ZerolayerError)
     assert issubclass(errors.APITimeoutError, errors.APIConnectionError)
     assert {c for c in ErrorCode} == set(errors.ERROR_CLASSES)
+
+
+def test_transport_errors_convert_at_the_boundary():
+    import h2.events
+    import h2.exceptions
+    import httpcore
+    import httpx
+
+    from zerolayer.client import transport
+
+    def chained(outer_cls, inner):
+        try:
+            try:
+                raise httpcore.RemoteProtocolError(inner)
+            except httpcore.RemoteProtocolError as exc:
+                raise outer_cls(str(exc)) from exc
+        except outer_cls as exc:
+            return exc
+
+    reset = h2.events.StreamReset(stream_id=1, error_code=contract.H2_REFUSED_STREAM)
+    err = transport.convert_error(chained(httpx.RemoteProtocolError, reset), endpoint="e")
+    assert isinstance(err, errors.StreamRefused) and err.processed is False and err.__cause__ is not None
+    early = transport.convert_error(chained(httpx.LocalProtocolError, h2.exceptions.StreamClosedError(5)), endpoint="e")
+    assert isinstance(early, errors.StreamRefused) and "before the request body" in str(early)
+    gone = h2.events.ConnectionTerminated()
+    gone.error_code, gone.last_stream_id = 0, 3
+    assert transport.convert_error(chained(httpx.RemoteProtocolError, gone), endpoint="e").processed is None
+    refused = transport.convert_error(httpx.ConnectError("refused"), endpoint="e")
+    assert type(refused) is errors.APIConnectionError and refused.processed is False
+    assert isinstance(transport.convert_error(httpx.ReadTimeout("slow"), endpoint="e"), errors.APITimeoutError)
+    with pytest.raises(TypeError):
+        transport.convert_error(KeyError("x"), endpoint="e")
