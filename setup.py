@@ -8,7 +8,7 @@ mapped folders here: any folder with an ``__init__.py`` becomes a package.
 
 import pathlib
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 ROOTS = {
     "zerolayer": "zerolayer",
@@ -30,4 +30,8 @@ def discover() -> list[str]:
     return found
 
 
-setup(package_dir=ROOTS, packages=discover())
+# The runtime's USDT probe (bpf/_probes.c) needs sys/sdt.h (Debian: systemtap-sdt-dev). Optional:
+# without it the install succeeds and the runtime meters through the in-process path only.
+PROBES = Extension("zerolayer.bpf._probes", ["bpf/_probes.c"], optional=True)
+
+setup(package_dir=ROOTS, packages=discover(), ext_modules=[PROBES])

@@ -1,0 +1,67 @@
+"""The token event, and its on-disk form for the in-process (journal) path.
+
+An event's identity is ``(runtime_id, seq)``: ``runtime_id`` is random per runtime process
+(so a restarted runtime never reuses ids), ``seq`` counts 1, 2, 3... within it. Both the BPF
+path and the journal path deliver the same events; the store keeps each identity once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+FLAG_FIRST = 1  # first event of a request: counts one request
+
+# Journal record: u32 total length, then the fixed part, then tenant, model, request id (UTF-8, NUL-separated).
+_FIXED = struct.Struct("<QQqIII")  # runtime_id, seq, wall_ns, input, output, flags
+_LEN = struct.Struct("<I")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    runtime_id: int
+    seq: int
+    wall_ns: int  # when the tokens left for the client (Unix epoch, ns)
+    tenant: str
+    model: str
+    request_id: str
+    input_tokens: int
+    output_tokens: int
+    flags: int = 0
+    pid: int = 0
+    cgroup_id: int = 0
+    source: str = "journal"  # "bpf" | "journal"
+
+    @property
+    def first(self) -> bool:
+        return bool(self.flags & FLAG_FIRST)
+
+
+def encode_record(runtime_id: int, seq: int, wall_ns: int, tenant: str, model: str, request_id: str,
+                  input_tokens: int, output_tokens: int, flags: int) -> bytes:
+    tail = b"\0".join((tenant.encode(), model.encode(), request_id.encode()))
+    body = _FIXED.pack(runtime_id, seq, wall_ns, input_tokens, output_tokens, flags) + tail
+    return _LEN.pack(_LEN.size + len(body)) + body
+
+
+def decode_records(buffer: bytes, pid: int = 0) -> tuple[list[TokenEvent], int]:
+    """Decode complete records from ``buffer``; returns the events and the bytes consumed.
+
+    A trailing partial record (a writer caught mid-write) is left for the next read.
+    """
+    events: list[TokenEvent] = []
+    pos = 0
+    while pos + _LEN.size <= len(buffer):
+        (length,) = _LEN.unpack_from(buffer, pos)
+        if length < _LEN.size + _FIXED.size:
+            raise ValueError(f"corrupt journal record at byte {pos}: length {length}")
+        if pos + length > len(buffer):
+            break
+        runtime_id, seq, wall_ns, inp, out, flags = _FIXED.unpack_from(buffer, pos + _LEN.size)
+        strings = buffer[pos + _LEN.size + _FIXED.size:pos + length].split(b"\0")
+        if len(strings) != 3:
+            raise ValueError(f"corrupt journal record at byte {pos}: {len(strings)} strings")
+        tenant, model, request_id = (s.decode("utf-8", "replace") for s in strings)
+        events.append(TokenEvent(runtime_id, seq, wall_ns, tenant, model, request_id, inp, out, flags, pid))
+        pos += length
+    return events, pos

@@ -1,0 +1,168 @@
+"""Load bpf/token_events.bpf.c and turn ring-buffer records into :class:`TokenEvent`.
+
+bcc style: :func:`check_kernel` says plainly why the kernel path cannot run here;
+:func:`render_program` fills the placeholders of the C file; ``python -m zerolayer.bpf.loader
+--print-bpf`` prints the final program. :class:`BpfTokenSource` attaches once to the probe
+library (``zerolayer/bpf/_probes*.so``): every process that maps it -- each runtime, also one
+started later -- fires the probe; the program keeps only the processes or cgroups it is told about.
+
+bcc is Debian's ``python3-bpfcc``; for another interpreter bpf/setup-host.sh makes it importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import pathlib
+import sys
+import time
+from typing import Iterable
+
+from zerolayer.bpf.errors import BpfUnavailable
+from zerolayer.bpf.events import TokenEvent
+from zerolayer.bpf.probes import probe_library
+
+PROGRAM = pathlib.Path(__file__).with_name("token_events.bpf.c")
+TRACEFS = pathlib.Path("/sys/kernel/tracing")
+DEBIAN_DIST_PACKAGES = "/usr/lib/python3/dist-packages"
+PAGE = 4096
+
+
+def import_bcc():  # type: ignore[no-untyped-def]
+    """Return the ``bcc`` module, also from Debian's dist-packages for a non-Debian interpreter."""
+    try:
+        import bcc
+    except ImportError:
+        if os.path.isdir(os.path.join(DEBIAN_DIST_PACKAGES, "bcc")) and DEBIAN_DIST_PACKAGES not in sys.path:
+            sys.path.append(DEBIAN_DIST_PACKAGES)
+            try:
+                import bcc
+            except ImportError as exc:
+                raise BpfUnavailable(f"bcc is installed for Debian's python but does not import here: {exc}") from exc
+        else:
+            raise BpfUnavailable("bcc is not installed (Debian: apt-get install python3-bpfcc; see "
+                                 "bpf/setup-host.sh)") from None
+    return bcc
+
+
+def ring_pages(ring_buffer_bytes: int) -> int:
+    """Ring buffers are a power-of-two number of pages; round the setting up."""
+    pages = max(1, -(-ring_buffer_bytes // PAGE))
+    return 1 << (pages - 1).bit_length()
+
+
+def render_program(*, ring_buffer_bytes: int = 16 << 20, filter_pids: bool = False,
+                   filter_cgroups: bool = False) -> str:
+    text = PROGRAM.read_text()
+    return (text.replace("RINGBUF_PAGES", str(ring_pages(ring_buffer_bytes)))
+            .replace("FILTER_PIDS", "1" if filter_pids else "0")
+            .replace("FILTER_CGROUPS", "1" if filter_cgroups else "0"))
+
+
+def check_kernel() -> None:
+    """Raise :class:`BpfUnavailable` naming the first missing piece; return when all is there."""
+    if os.geteuid() != 0:
+        raise BpfUnavailable("not root: loading BPF programs needs root (or CAP_BPF+CAP_PERFMON)")
+    if probe_library() is None:
+        raise BpfUnavailable("the USDT probe extension (zerolayer.bpf._probes) was not built: install "
+                             "systemtap-sdt-dev and reinstall zerolayer")
+    if not (TRACEFS / "uprobe_events").exists():
+        raise BpfUnavailable(f"tracefs is not mounted at {TRACEFS} (mount -t tracefs tracefs {TRACEFS}) "
+                             "or the kernel lacks CONFIG_UPROBE_EVENTS")
+    release = os.uname().release
+    if not pathlib.Path(f"/lib/modules/{release}/build").exists():
+        raise BpfUnavailable(f"no kernel headers at /lib/modules/{release}/build (bcc compiles against them; "
+                             "see bpf/setup-host.sh)")
+    major, minor = (int(x) for x in release.split(".")[:2])
+    if (major, minor) < (5, 8):
+        raise BpfUnavailable(f"kernel {release} has no BPF ring buffer (needs 5.8+)")
+    import_bcc()
+
+
+def cgroup_id(path: str | os.PathLike[str]) -> int:
+    """The id ``bpf_get_current_cgroup_id()`` returns for a cgroup v2 directory: its inode number."""
+    try:
+        return os.stat(path).st_ino
+    except OSError as exc:
+        raise BpfUnavailable(f"cannot read cgroup {path}: {exc}") from exc
+
+
+class BpfTokenSource:
+    """The kernel path: attach, then ``poll`` for events. Not thread-safe; one reader thread."""
+
+    kind = "bpf"
+
+    def __init__(self, *, ring_buffer_bytes: int = 16 << 20, pids: Iterable[int] = (),
+                 cgroups: Iterable[str] = ()) -> None:
+        check_kernel()
+        bcc = import_bcc()
+        self.pids = [int(p) for p in pids]
+        self.cgroup_ids = [cgroup_id(c) for c in cgroups]
+        self.text = render_program(ring_buffer_bytes=ring_buffer_bytes, filter_pids=bool(self.pids),
+                                   filter_cgroups=bool(self.cgroup_ids))
+        library = probe_library()
+        try:
+            usdt = bcc.USDT(path=library)
+            usdt.enable_probe(probe="token", fn_name="on_token")
+            self.bpf = bcc.BPF(text=self.text, usdt_contexts=[usdt])
+            for pid in self.pids:
+                self.bpf["target_pids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+            for cid in self.cgroup_ids:
+                self.bpf["target_cgroups"][ctypes.c_uint64(cid)] = ctypes.c_uint8(1)
+            self._ring = self.bpf["events"]
+            self._ring.open_ring_buffer(self._on_event)
+        except Exception as exc:  # bcc raises Exception for compile/attach failures
+            raise BpfUnavailable(f"cannot load the BPF program: {exc}") from exc
+        # ktime is CLOCK_MONOTONIC; events are stored with wall time.
+        self._wall_offset_ns = time.time_ns() - time.monotonic_ns()
+        self._batch: list[TokenEvent] = []
+
+    def _on_event(self, ctx, data, size) -> int:  # type: ignore[no-untyped-def]
+        e = self._ring.event(data)
+        self._batch.append(TokenEvent(
+            e.runtime_id, e.seq, e.ktime_ns + self._wall_offset_ns, e.tenant.decode("utf-8", "replace"),
+            e.model.decode("utf-8", "replace"), e.request_id.decode("utf-8", "replace"), e.input_tokens,
+            e.output_tokens, e.flags, e.pid, e.cgroup_id, "bpf"))
+        return 0
+
+    def poll(self, timeout_ms: int = 100) -> list[TokenEvent]:
+        """Events submitted so far (waits up to ``timeout_ms`` for the first)."""
+        self.bpf.ring_buffer_poll(timeout_ms)
+        batch, self._batch = self._batch, []
+        return batch
+
+    def lost(self) -> int:
+        """Events the kernel could not queue because the ring buffer was full (since attach)."""
+        return int(sum(self.bpf["lost"].getvalue(0)))
+
+    def add_pid(self, pid: int) -> None:
+        self.bpf["target_pids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+
+    def close(self) -> None:
+        self.bpf.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerolayer.bpf.loader",
+                                     description="Check the kernel path or print the BPF program.")
+    parser.add_argument("--print-bpf", action="store_true", help="print the final BPF C program and exit")
+    parser.add_argument("--ring-buffer-mb", type=float, default=16)
+    parser.add_argument("--pid", type=int, action="append", default=[])
+    parser.add_argument("--cgroup", action="append", default=[])
+    args = parser.parse_args(argv)
+    if args.print_bpf:
+        print(render_program(ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), filter_pids=bool(args.pid),
+                             filter_cgroups=bool(args.cgroup)))
+        return 0
+    try:
+        check_kernel()
+    except BpfUnavailable as exc:
+        print(f"BPF path unavailable: {exc}")
+        return 1
+    print("BPF path available")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
