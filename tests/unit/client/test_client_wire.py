@@ -202,3 +202,18 @@ def test_transport_errors_convert_at_the_boundary():
     assert isinstance(transport.convert_error(httpx.ReadTimeout("slow"), endpoint="e"), errors.APITimeoutError)
     with pytest.raises(TypeError):
         transport.convert_error(KeyError("x"), endpoint="e")
+
+
+def test_sdk_layering_imports_only_the_contract():
+    """The SDK may depend on zerolayer.contract, never on the runtime or the operator."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(errors.__file__).parent
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            for name in names:
+                assert not name.startswith(("zerolayer.runtime", "zerolayer.operator", "zerolayer.cluster")), (path, name)
