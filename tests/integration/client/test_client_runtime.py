@@ -206,3 +206,16 @@ def test_official_anthropic_sdk_talks_to_the_runtime(runtimes):
             )
     finally:
         official.close()
+
+
+# --------------------------------------------------------------------------- deadline pressure
+def test_deadline_exceeded_retries_lighter_with_doubled_deadline(runtimes):
+    node = runtimes("--ttft", "0.3")  # the first token takes 300 ms
+    events: list = []
+    with Client(api_key=KEY, base_url=node.url, deadline=0.1, on_event=events.append,
+                retry_policy=RetryPolicy(max_retries=3, base_delay_s=0.01,
+                                         lighter_models={"tiny": "tiny-lite"})) as client:  # fmt: skip
+        message = client.messages.create(model="tiny", max_tokens=4, messages=ask(1))
+    retries = [e for e in events if isinstance(e, RetryScheduled)]
+    print(f"\ndeadline: {message.attempts} attempts, retries {[(e.error, e.reason) for e in retries]}")
+    assert message.attempts >= 2 and all(e.error == "DEADLINE_EXCEEDED" for e in retries)
