@@ -1,0 +1,419 @@
+"""The fleet's GPU map, read from ``InferenceNode`` status: one reader for every consumer.
+
+Each runtime publishes its node's GPU map into ``InferenceNode.status`` (see
+``zerolayer.runtime.gossip``). This module is the *reader* shared by the runtimes (alternatives
+on a pressure refusal, the map endpoint), the operator (``GossipFresh``), the SDK and
+``zerolayer map``. It imports nothing from the runtime, the operator or the client, and
+imports the Kubernetes client only when :class:`GpuMapWatcher` is built.
+
+Reading rules (docs/gpu-map.md), applied here so that every reader agrees:
+
+- a node whose ``status.lastHeartbeat`` is older than its ``spec.gossip.staleAfterSeconds``
+  (default 30 s), or that never published, is **stale** and does not admit;
+- a GPU whose utilisation is above the node's ``spec.scheduler.utilizationThreshold``
+  (default 0.95) is taken out of the admitting set, whatever the runtime published;
+- a node admits when its runtime says so, it is fresh, it has an endpoint and (when it
+  reports GPUs) at least one GPU admits.
+
+Consistent hashing (:class:`HashRing`) is the same ring as the SDK's
+(``zerolayer.client.nodes.HashRing``: blake2b-64 of ``"<name>#<i>"``, 64 points per node),
+so a runtime's suggested alternatives and the SDK's own choice agree for a session.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL, KIND = "zerolayer.io", "v1alpha1", "inferencenodes", "InferenceNode"
+DEFAULT_STALE_AFTER_S = 30.0
+DEFAULT_UTILIZATION_THRESHOLD = 0.95
+DEFAULT_ALTERNATIVES = 2
+
+
+class GpuMapError(RuntimeError):
+    """The GPU map could not be read (API server unreachable, forbidden, malformed object)."""
+
+
+# --------------------------------------------------------------------------- time
+def utc_now_rfc3339(now: float | None = None) -> str:
+    """RFC 3339 UTC with milliseconds (``2026-12-02T11:50:00.123Z``): the heartbeat format."""
+    moment = datetime.datetime.fromtimestamp(time.time() if now is None else now, datetime.timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_rfc3339(value: object) -> float | None:
+    """Unix seconds from an RFC 3339 string; ``None`` when absent or unreadable."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+    return parsed.timestamp()
+
+
+# --------------------------------------------------------------------------- plain data
+@dataclasses.dataclass(frozen=True)
+class GpuEntry:
+    """One GPU as published, plus the reader's verdict ``admitting``."""
+
+    uuid: str
+    index: int
+    name: str = ""
+    memory_used_bytes: int = 0
+    memory_total_bytes: int = 0
+    utilization: float | None = None
+    power_watts: float | None = None
+    temperature_c: float | None = None
+    fragmentation: float | None = None
+    nvlink_errors: int | None = None
+    published_admitting: bool = True
+    admitting: bool = True  # published_admitting and utilisation within the node's threshold
+
+    @property
+    def memory_fraction(self) -> float:
+        return self.memory_used_bytes / self.memory_total_bytes if self.memory_total_bytes else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeEntry:
+    """One InferenceNode as every reader sees it.
+
+    ``admitting`` is the reader's verdict (see the module rules); ``reason`` says why not.
+    ``heartbeat`` is Unix seconds (``None``: never published); ``age_s`` its age when read.
+    """
+
+    name: str
+    node_name: str
+    endpoint: str | None
+    admitting: bool
+    reason: str
+    published_admitting: bool
+    stale: bool
+    heartbeat: float | None
+    age_s: float | None
+    stale_after_s: float
+    utilization_threshold: float
+    gpus: tuple[GpuEntry, ...] = ()
+    memory_percent: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    kv_cache_usage: float | None = None
+
+    @property
+    def gpus_admitting(self) -> str:
+        return f"{sum(g.admitting for g in self.gpus)}/{len(self.gpus)}"
+
+    def record(self) -> dict[str, Any]:
+        """A flat JSON-able record (the map endpoint's ``nodes[]``; the SDK's HttpNodeMap reads it)."""
+        return {
+            "name": self.name, "nodeName": self.node_name, "endpoint": self.endpoint,
+            "admitting": self.admitting, "reason": self.reason, "stale": self.stale,
+            "lastHeartbeat": utc_now_rfc3339(self.heartbeat) if self.heartbeat is not None else None,
+            "ageSeconds": None if self.age_s is None else round(self.age_s, 3),
+            "gpusAdmitting": self.gpus_admitting, "memoryPercent": self.memory_percent,
+            "load": {"running": self.running, "waiting": self.waiting, "kvCacheUsage": self.kv_cache_usage},
+            "gpus": [{
+                "uuid": g.uuid, "index": g.index, "name": g.name, "memoryUsedBytes": g.memory_used_bytes,
+                "memoryTotalBytes": g.memory_total_bytes, "utilization": g.utilization,
+                "powerWatts": g.power_watts, "temperatureC": g.temperature_c, "fragmentation": g.fragmentation,
+                "nvlinkErrors": g.nvlink_errors, "admitting": g.admitting,
+            } for g in self.gpus],
+        }
+
+
+def _num(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _int(value: object) -> int | None:
+    number = _num(value)
+    return None if number is None else int(number)
+
+
+def _gpu_entry(raw: Mapping[str, Any], utilization_threshold: float) -> GpuEntry:
+    utilization = _num(raw.get("utilization"))
+    published = raw.get("admitting") is not False
+    return GpuEntry(
+        uuid=str(raw.get("uuid", "")), index=_int(raw.get("index")) or 0, name=str(raw.get("name", "")),
+        memory_used_bytes=_int(raw.get("memoryUsedBytes")) or 0,
+        memory_total_bytes=_int(raw.get("memoryTotalBytes")) or 0,
+        utilization=utilization, power_watts=_num(raw.get("powerWatts")),
+        temperature_c=_num(raw.get("temperatureC")), fragmentation=_num(raw.get("fragmentation")),
+        nvlink_errors=_int(raw.get("nvlinkErrors")), published_admitting=published,
+        admitting=published and (utilization is None or utilization <= utilization_threshold),
+    )
+
+
+def node_from_object(obj: Mapping[str, Any], now: float | None = None) -> NodeEntry:
+    """Read one ``InferenceNode`` object (a dict as the API returns it) at Unix time ``now``."""
+    now = time.time() if now is None else now
+    metadata = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    gossip = spec.get("gossip") or {}
+    stale_after = _num(gossip.get("staleAfterSeconds")) or DEFAULT_STALE_AFTER_S
+    threshold = _num((spec.get("scheduler") or {}).get("utilizationThreshold")) or DEFAULT_UTILIZATION_THRESHOLD
+    gpus = tuple(_gpu_entry(g, threshold) for g in status.get("gpus") or () if isinstance(g, Mapping))
+    heartbeat = parse_rfc3339(status.get("lastHeartbeat"))
+    age = None if heartbeat is None else max(0.0, now - heartbeat)
+    stale = age is None or age > stale_after
+    published = status.get("admitting") is True
+    endpoint = status.get("endpoint") or None
+    if heartbeat is None:
+        reason = "never published"
+    elif stale:
+        reason = f"stale: heartbeat {age:.1f}s old > {stale_after:g}s"
+    elif not endpoint:
+        reason = "no endpoint"
+    elif not published:
+        reason = "runtime not admitting"
+    elif gpus and not any(g.admitting for g in gpus):
+        reason = "no GPU admitting"
+    else:
+        reason = ""
+    load = status.get("load") or {}
+    return NodeEntry(
+        name=str(metadata.get("name", "")), node_name=str(spec.get("nodeName", "")), endpoint=endpoint,
+        admitting=not reason, reason=reason, published_admitting=published, stale=stale, heartbeat=heartbeat,
+        age_s=age, stale_after_s=stale_after, utilization_threshold=threshold, gpus=gpus,
+        memory_percent=_int(status.get("memoryPercent")), running=_int(load.get("running")),
+        waiting=_int(load.get("waiting")), kv_cache_usage=_num(load.get("kvCacheUsage")),
+    )
+
+
+# --------------------------------------------------------------------------- consistent hashing
+def _hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """Consistent hashing with ``vnodes`` points per node name (same ring as the SDK's)."""
+
+    def __init__(self, names: Iterable[str], vnodes: int = 64) -> None:
+        points = sorted((_hash(f"{name}#{i}"), name) for name in set(names) for i in range(vnodes))
+        self._keys = [p[0] for p in points]
+        self._names = [p[1] for p in points]
+
+    def walk(self, key: str) -> Iterator[str]:
+        """Distinct node names in ring order from ``key``'s position: the owner first."""
+        if not self._keys:
+            return
+        start = bisect.bisect(self._keys, _hash(key))
+        seen: set[str] = set()
+        for i in range(len(self._keys)):
+            name = self._names[(start + i) % len(self._keys)]
+            if name not in seen:
+                seen.add(name)
+                yield name
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetMap:
+    """A snapshot of every InferenceNode, read at ``read_at`` (Unix seconds). Plain data."""
+
+    nodes: tuple[NodeEntry, ...]
+    read_at: float
+
+    @classmethod
+    def from_objects(cls, objects: Iterable[Mapping[str, Any]], now: float | None = None) -> "FleetMap":
+        now = time.time() if now is None else now
+        return cls(tuple(sorted((node_from_object(o, now) for o in objects), key=lambda n: n.name)), now)
+
+    def node(self, name: str) -> NodeEntry | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+    def admitting(self) -> tuple[NodeEntry, ...]:
+        return tuple(n for n in self.nodes if n.admitting)
+
+    def choose(self, session: str | None, *, exclude: Iterable[str] = (), limit: int = 1) -> list[NodeEntry]:
+        """Admitting nodes for ``session`` in consistent-hash order, owner first, without ``exclude``.
+
+        Without a session every request hashes to the same place; callers that want spreading
+        pass a request id instead.
+        """
+        skip = set(exclude)
+        candidates = {n.name: n for n in self.admitting() if n.name not in skip and n.endpoint}
+        out = []
+        for name in HashRing(candidates).walk(session or ""):
+            out.append(candidates[name])
+            if len(out) >= limit:
+                break
+        return out
+
+    def to_document(self) -> dict[str, Any]:
+        """The map endpoint's JSON document: ``{"readAt": ..., "nodes": [record, ...]}``."""
+        return {"readAt": utc_now_rfc3339(self.read_at), "nodes": [n.record() for n in self.nodes]}
+
+
+# --------------------------------------------------------------------------- runtime-facing helpers
+def alternatives_header(fleet: FleetMap | None, session: str | None, *, self_name: str | None = None,
+                        limit: int = DEFAULT_ALTERNATIVES) -> str | None:
+    """The value of ``contract.ALTERNATIVES`` for a pressure refusal, or ``None`` if no node admits.
+
+    Endpoints of up to ``limit`` admitting nodes other than ``self_name``, in the session's
+    consistent-hash order, comma-separated: a client that follows the first one lands where its
+    own ring would send it once this node is out of the admitting set.
+    """
+    if fleet is None:
+        return None
+    chosen = fleet.choose(session, exclude=[self_name] if self_name else (), limit=limit)
+    return ",".join(str(n.endpoint) for n in chosen) or None
+
+
+def render_map_document(fleet: FleetMap | None) -> bytes:
+    """Body of ``GET /v1/zerolayer/map`` (``application/json``) for clients without Kubernetes credentials."""
+    document = fleet.to_document() if fleet is not None else {"readAt": utc_now_rfc3339(), "nodes": []}
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+# --------------------------------------------------------------------------- the watcher
+def load_custom_objects_api(kubeconfig: str | None = None) -> Any:
+    """A ``CustomObjectsApi`` from ``kubeconfig``, else in-cluster config, else the default kubeconfig."""
+    try:
+        from kubernetes import client, config
+    except ImportError as exc:  # pragma: no cover - kubernetes is a core dependency
+        raise GpuMapError("reading the GPU map needs the kubernetes package") from exc
+    try:
+        if kubeconfig:
+            api_client = config.new_client_from_config(config_file=kubeconfig)
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api_client = client.ApiClient()
+    except (config.ConfigException, OSError, TypeError, ValueError) as exc:
+        raise GpuMapError(f"no Kubernetes configuration for the GPU map: {exc}") from exc
+    return client.CustomObjectsApi(api_client)
+
+
+class GpuMapWatcher:
+    """Lists and watches every ``InferenceNode`` in a daemon thread; :meth:`snapshot` never blocks.
+
+    The watch relists after it ends or fails (``retry_s`` later); the last objects are kept
+    meanwhile, so nodes go stale by their own heartbeats rather than vanishing. ``on_change``
+    (optional) is called in the watcher thread after every event. The snapshot is recomputed
+    at the time it is asked for, so a node ages into staleness with no event at all.
+    """
+
+    def __init__(self, api: Any = None, *, kubeconfig: str | None = None, retry_s: float = 2.0,
+                 watch_timeout_s: int = 60, on_change: Callable[[], None] | None = None) -> None:
+        self._api = api if api is not None else load_custom_objects_api(kubeconfig)
+        self._retry_s = retry_s
+        self._watch_timeout_s = watch_timeout_s
+        self._on_change = on_change
+        self._objects: dict[str, Mapping[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._watcher: Any = None
+        self._thread = threading.Thread(target=self._run, name="zerolayer-gpumap", daemon=True)
+        self.last_error: GpuMapError | None = None
+        self.events = 0
+
+    def start(self) -> "GpuMapWatcher":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        watcher = self._watcher
+        if watcher is not None:
+            watcher.stop()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "GpuMapWatcher":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def wait_ready(self, timeout: float = 10.0) -> bool:
+        """Block until the first listing arrived (start-up only; not on an event loop)."""
+        return self._ready.wait(timeout)
+
+    def snapshot(self, now: float | None = None) -> FleetMap:
+        with self._lock:
+            objects = list(self._objects.values())
+        return FleetMap.from_objects(objects, now)
+
+    def wait_for(self, predicate: Callable[[FleetMap], bool], timeout: float) -> FleetMap:
+        """Block until ``predicate(snapshot)`` holds; raises :class:`GpuMapError` after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fleet = self.snapshot()
+            if predicate(fleet):
+                return fleet
+            if time.monotonic() >= deadline:
+                raise GpuMapError(f"GPU map did not reach the expected state within {timeout}s")
+            time.sleep(0.05)
+
+    def _apply(self, kind: str, obj: Mapping[str, Any]) -> None:
+        name = str((obj.get("metadata") or {}).get("name", ""))
+        with self._lock:
+            if kind == "DELETED":
+                self._objects.pop(name, None)
+            else:
+                self._objects[name] = obj
+        self.events += 1
+        if self._on_change is not None:
+            self._on_change()
+
+    def list_once(self) -> str | None:
+        """Relist every InferenceNode; returns the list's resourceVersion."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            listing = self._api.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=10)
+        except (ApiException, HTTPError, OSError) as exc:
+            raise GpuMapError(f"cannot list InferenceNodes: {exc}") from exc
+        with self._lock:
+            self._objects = {str(i["metadata"]["name"]): i for i in listing.get("items", [])}
+        self._ready.set()
+        if self._on_change is not None:
+            self._on_change()
+        return (listing.get("metadata") or {}).get("resourceVersion")
+
+    def _run(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        while not self._stop.is_set():
+            try:
+                version = self.list_once()
+                self._watcher = watch.Watch()
+                for event in self._watcher.stream(self._api.list_cluster_custom_object, GROUP, VERSION, PLURAL,
+                                                  resource_version=version,
+                                                  timeout_seconds=self._watch_timeout_s):
+                    if self._stop.is_set():
+                        break
+                    if event.get("type") == "ERROR":  # e.g. 410 Gone: relist
+                        break
+                    self._apply(str(event["type"]), event["object"])
+                self.last_error = None
+            except GpuMapError as exc:
+                self.last_error = exc
+                log.warning("%s", exc)
+                self._stop.wait(self._retry_s)
+            except (ApiException, HTTPError, OSError, ValueError) as exc:
+                self.last_error = GpuMapError(f"InferenceNode watch failed: {exc}")
+                log.warning("%s", self.last_error)
+                self._stop.wait(self._retry_s)
