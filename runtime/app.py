@@ -108,8 +108,12 @@ class Application:
         limits: Limits,
         render_extra_metrics: Callable[[], bytes] = lambda: b"",
         clock: Callable[[], float] = time.monotonic,
+        token_sink: Callable[[str, str, str, int, int, bool], Any] | None = None,
     ) -> None:
         self.engine = engine
+        # Metering (zerolayer.bpf.probes.TokenProbe): called with (tenant, request_id, model, input_tokens,
+        # output_tokens, first) right after tokens were handed to the transport for the client.
+        self.token_sink = token_sink
         self.scheduler = scheduler
         self.tenants = tenants
         self.metrics = metrics
@@ -304,6 +308,8 @@ class Application:
             body = openai.completion(rid, int(time.time()), request.model, text, openai.FINISH_REASONS.get(finish, "stop"),
                                      openai.usage(stream.prompt_tokens, stream.output_tokens))
         await self._respond(channel, 200, [("content-type", "application/json"), *head], dumps(body), route.name)
+        if self.token_sink is not None:
+            self.token_sink(stream.tenant.name, rid, request.model, stream.prompt_tokens, stream.output_tokens, True)
 
     async def _stream(self, channel, route, stream, request, deltas, head) -> None:  # type: ignore[no-untyped-def]
         rid = stream.engine_request
@@ -315,6 +321,9 @@ class Application:
         else:
             await channel.send(openai.chunk(rid, created, request.model, {"role": "assistant", "content": ""}, None,
                                             include_usage=request.include_usage))
+        sink = self.token_sink
+        if sink is not None:
+            sink(stream.tenant.name, rid, request.model, stream.prompt_tokens, 0, True)
         finish = "stop"
         async for delta in deltas:
             if delta.token_count and not stream.first_token_sent:
@@ -329,6 +338,8 @@ class Application:
                 else:
                     await channel.send(openai.chunk(rid, created, request.model, {"content": delta.text}, None,
                                                     include_usage=request.include_usage))
+            if sink is not None and delta.token_count:
+                sink(stream.tenant.name, rid, request.model, 0, delta.token_count, False)
         if route.api == "anthropic":
             await channel.end(anthropic.stream_end(anthropic.STOP_REASONS.get(finish, "end_turn"),
                                                    stream.prompt_tokens, stream.output_tokens))

@@ -18,6 +18,9 @@ COMMAND_MODULES = [
     "zerolayer.cluster.cli",
     "zerolayer.operator.cli",
     "zerolayer.runtime.cli",
+    "zerolayer.map_cli",
+    "zerolayer.runtime.defrag.cli",
+    "zerolayer.bpf.cli",
 ]
 
 

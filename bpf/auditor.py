@@ -1,0 +1,268 @@
+"""The auditor daemon: token events from one source into the store, exactly once, cross-checked.
+
+One thread, no event loop: ``poll`` the source (kernel ring buffer or journals) → batch → every
+``flush_interval_s`` one store transaction (events, aggregates, high-water marks, resume state).
+Every ``reconcile_interval_s`` it reads the runtimes' counters snapshots, drains the source (so
+every event a snapshot covers that will ever arrive has arrived), writes, and reconciles: missing
+tokens are booked from the counters (``reconciled``), a store above the counters is reported as a
+``disagreement`` in the log, the metrics and the ``reconciliations`` table. It also integrates GPU
+energy, prunes old detail and publishes TenantQuota usage at a bounded rate.
+
+Mode (``bpf`` or ``journal``) is logged at start, exported as ``zerolayer_auditor_mode`` and kept in
+the store's ``auditor_state``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import threading
+import time
+from decimal import Decimal
+from typing import Any, Callable, Protocol, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from zerolayer.bpf.billing import PriceBook, bill
+from zerolayer.bpf.errors import AuditError, BpfUnavailable
+from zerolayer.bpf.events import TokenEvent
+from zerolayer.bpf.store import NS, SqliteStore, minute_of
+
+log = logging.getLogger(__name__)
+
+
+class EventSource(Protocol):
+    kind: str
+
+    def poll(self, timeout_ms: int = 100) -> list[TokenEvent]: ...
+    def lost(self) -> int: ...
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class AuditorSettings:
+    flush_interval_s: float = 0.5
+    max_batch: int = 20000
+    reconcile_interval_s: float = 5.0
+    detail_retention_s: float = 7 * 86400.0
+    aggregate_retention_s: float | None = None  # None: keep aggregates forever
+    prune_interval_s: float = 300.0
+    energy_interval_s: float = 1.0
+    status_interval_s: float = 15.0
+
+
+class AuditorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.mode = Gauge("zerolayer_auditor_mode", "1 for the mode the auditor runs in", ["mode"], registry=r)
+        self.events = Counter("zerolayer_auditor_events", "Token events written to the store", registry=r)
+        self.duplicates = Counter("zerolayer_auditor_duplicate_events", "Replayed events recognised and skipped",
+                                  registry=r)
+        self.kernel_lost = Gauge("zerolayer_auditor_kernel_lost_events",
+                                 "Events the kernel dropped because the ring buffer was full (all sessions)",
+                                 registry=r)
+        self.missing = Gauge("zerolayer_auditor_missing_events",
+                             "Sequence gaps: events that never reached the store (all runtimes)", registry=r)
+        self.reconciled = Counter("zerolayer_auditor_reconciled_tokens",
+                                  "Tokens booked from runtime counters for missing events", ["kind"], registry=r)
+        self.disagreements = Counter("zerolayer_auditor_disagreements",
+                                     "Times the store held more tokens than a runtime counted", registry=r)
+        self.flush_seconds = Gauge("zerolayer_auditor_last_flush_seconds", "Duration of the last store write",
+                                   registry=r)
+
+
+class Auditor:
+    def __init__(self, store: SqliteStore, source: EventSource, *, spool: str | pathlib.Path | None = None,
+                 settings: AuditorSettings | None = None, metrics: AuditorMetrics | None = None,
+                 energy_source: Any = None, quota_writer: Any = None, prices: PriceBook | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.source = source
+        self.spool = pathlib.Path(spool) if spool is not None else None
+        self.settings = settings or AuditorSettings()
+        self.metrics = metrics or AuditorMetrics()
+        self.energy_source = energy_source
+        self.quota_writer = quota_writer
+        self.prices = prices
+        self.clock = clock
+        self.stopping = threading.Event()
+        self._buffer: list[TokenEvent] = []
+        self._lost_base = int(store.state("kernel_lost_total", "0") or 0)
+        self._snapshot_seen: dict[str, tuple[int, bool]] = {}
+        self._last_energy: float | None = None
+        self.metrics.mode.labels(source.kind).set(1)
+        store.set_state({"mode": source.kind})
+        log.info("auditor running in %s mode (store %s)", source.kind, getattr(store, "path", store.kind))
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        s = self.settings
+        now = self.clock()
+        next_flush = now + s.flush_interval_s
+        next_reconcile = now + s.reconcile_interval_s
+        next_prune = now
+        next_energy = now
+        next_status = now + s.status_interval_s
+        try:
+            while not self.stopping.is_set():
+                self._buffer.extend(self.source.poll(100))
+                now = self.clock()
+                if now >= next_flush or len(self._buffer) >= s.max_batch:
+                    self.flush()
+                    next_flush = now + s.flush_interval_s
+                if now >= next_reconcile:
+                    self.reconcile()
+                    next_reconcile = now + s.reconcile_interval_s
+                if self.energy_source is not None and now >= next_energy:
+                    self.sample_energy()
+                    next_energy = now + s.energy_interval_s
+                if now >= next_prune:
+                    self.prune()
+                    next_prune = now + s.prune_interval_s
+                if self.quota_writer is not None and now >= next_status:
+                    self.publish_status()
+                    next_status = now + s.status_interval_s
+        finally:
+            self.drain()
+            self.reconcile()
+            self.source.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    # ------------------------------------------------------------------ steps
+    def flush(self) -> None:
+        batch, self._buffer = self._buffer, []
+        state = getattr(self.source, "state", lambda: {})()
+        lost = self.source.lost()
+        state["kernel_lost_total"] = str(self._lost_base + lost)
+        started = time.perf_counter()
+        result = self.store.write(batch, state)
+        getattr(self.source, "committed", lambda: None)()
+        self.metrics.flush_seconds.set(time.perf_counter() - started)
+        self.metrics.events.inc(result.written)
+        self.metrics.duplicates.inc(result.duplicates)
+        self.metrics.kernel_lost.set(self._lost_base + lost)
+
+    def drain(self) -> None:
+        """Poll until the source is empty, then write: everything submitted so far is in the store."""
+        while True:
+            batch = self.source.poll(0)
+            if not batch:
+                break
+            self._buffer.extend(batch)
+        self.flush()
+
+    def reconcile(self) -> list[Any]:
+        """Cross-check every runtime's counters snapshot against the store (see the module docstring)."""
+        if self.spool is None or not self.spool.is_dir():
+            return []
+        snapshots = []
+        for path in sorted(self.spool.glob("*.counters.json")):
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                log.warning("skipping unreadable counters %s: %s", path, exc)
+                continue
+            seen = self._snapshot_seen.get(doc["runtime_id"])
+            if seen == (doc["seq"], bool(doc.get("final"))):
+                continue
+            snapshots.append(doc)
+        if not snapshots:
+            return []
+        self.drain()  # after reading the snapshots: covers every event they count
+        found = []
+        for doc in snapshots:
+            for r in self.store.reconcile(doc):
+                found.append(r)
+                if r.kind == "disagreement":
+                    self.metrics.disagreements.inc()
+                    log.error("runtime %s counted fewer tokens than the store holds for %s/%s (input %+d, output "
+                              "%+d, events %+d as of seq %d)", r.runtime_id, r.tenant, r.model, r.input_tokens,
+                              r.output_tokens, r.events, r.counters_seq)
+                else:
+                    self.metrics.reconciled.labels("input").inc(r.input_tokens)
+                    self.metrics.reconciled.labels("output").inc(r.output_tokens)
+                    log.warning("reconciled %d events (%d input, %d output tokens) for %s/%s from runtime %s "
+                                "counters", r.events, r.input_tokens, r.output_tokens, r.tenant, r.model, r.runtime_id)
+            self._snapshot_seen[doc["runtime_id"]] = (doc["seq"], bool(doc.get("final")))
+        self.metrics.missing.set(sum(r["missing"] for r in self.store.totals()["runtimes"]))
+        return found
+
+    def sample_energy(self) -> None:
+        now = self.clock()
+        try:
+            readings = self.energy_source.sample()
+        except Exception as exc:  # a GpuSourceError or a driver hiccup: skip one sample, keep metering
+            log.warning("GPU power sample failed: %s", exc)
+            return
+        if self._last_energy is not None:
+            dt = now - self._last_energy
+            minute = minute_of(time.time_ns())
+            for g in readings:
+                if g.power_watts is not None:
+                    self.store.add_energy(minute, g.uuid, g.power_watts * dt)
+        self._last_energy = now
+
+    def prune(self) -> None:
+        now = time.time_ns()
+        s = self.settings
+        aggregates = None if s.aggregate_retention_s is None else now - int(s.aggregate_retention_s * NS)
+        dropped = self.store.prune(now - int(s.detail_retention_s * NS), aggregates)
+        if dropped:
+            log.info("pruned %d token events older than the retention", dropped)
+
+    def publish_status(self) -> None:
+        from zerolayer.bpf.kube import usage_fields
+
+        from zerolayer.bpf.errors import QuotaStatusError
+
+        now = time.time()
+        window = minute_of(time.time_ns())
+        try:
+            if not self.quota_writer.names:
+                self.quota_writer.refresh()
+            current = self.store.usage(window * NS)
+            totals = self.store.usage(0)
+            book = self.prices or PriceBook({})
+            costs: dict[str, Decimal] = {}
+            for b in bill(totals, book):
+                costs[b.tenant] = costs.get(b.tenant, Decimal(0)) + b.total
+            usage: dict[str, dict[str, Any]] = {}
+            for r in totals:
+                u = usage.setdefault(r.tenant, {"in": 0, "out": 0, "win": 0, "req": 0})
+                u["in"] += r.input_tokens + r.reconciled_input
+                u["out"] += r.output_tokens + r.reconciled_output
+            for r in current:
+                u = usage.setdefault(r.tenant, {"in": 0, "out": 0, "win": 0, "req": 0})
+                u["win"] += r.input_tokens + r.output_tokens + r.reconciled_input + r.reconciled_output
+                u["req"] += r.requests
+            self.quota_writer.publish({t: usage_fields(window, u["win"], u["req"], u["in"], u["out"],
+                                                       str(costs.get(t, Decimal(0))))
+                                       for t, u in usage.items()})
+        except QuotaStatusError as exc:
+            log.warning("TenantQuota status not updated: %s", exc)
+        del now
+
+
+def open_source(kind: str, *, spool: str | None, store: SqliteStore, ring_buffer_bytes: int,
+                pids: Sequence[int] = (), cgroups: Sequence[str] = ()) -> EventSource:
+    """``kind`` is ``bpf``, ``journal`` or ``auto`` (the kernel path if it can run here, else journals)."""
+    if kind in ("bpf", "auto"):
+        from zerolayer.bpf.loader import BpfTokenSource
+
+        try:
+            return BpfTokenSource(ring_buffer_bytes=ring_buffer_bytes, pids=pids, cgroups=cgroups)
+        except BpfUnavailable as exc:
+            if kind == "bpf":
+                raise
+            log.warning("BPF unavailable (%s): using the in-process journal path", exc)
+    if spool is None:
+        raise AuditError("the journal path needs --spool (the runtime's --audit-spool directory)")
+    from zerolayer.bpf.journal import JournalSource
+
+    resume = dict(store.db.execute("SELECT key, value FROM auditor_state WHERE key LIKE 'journal:%'").fetchall())
+    return JournalSource(spool, resume)

@@ -1,0 +1,242 @@
+"""``zerolayer auditor`` (the daemon) and ``zerolayer audit`` (reports and checks on the store)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import re
+import signal
+import sys
+import time
+from typing import Any
+
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``15m``, ``1h``, ``7d``, ``2w`` → seconds."""
+    m = DURATION.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number and a unit s, m, h, d or w (e.g. 1h)")
+    return float(m.group(1)) * UNITS[m.group(2)]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "auditor", help="meter every token: BPF (or in-process journal) events into the audit store",
+        description="Attach to the runtimes' USDT probe (or tail their journals), aggregate per tenant, model and "
+                    "minute into the audit store, reconcile with the runtimes' counters, publish TenantQuota usage.")
+    p.add_argument("--db", default="audit.db", help="SQLite audit store (default audit.db)")
+    p.add_argument("--clickhouse", metavar="URL", help="also mirror aggregates to ClickHouse (http://host:8123/db)")
+    p.add_argument("--source", choices=("auto", "bpf", "journal"), default="auto",
+                   help="bpf: the kernel path; journal: the in-process path; auto: bpf if it can run here")
+    p.add_argument("--spool", help="the runtimes' --audit-spool directory (counters snapshots, journals)")
+    p.add_argument("--pid", type=int, action="append", default=[], help="meter only this runtime process (repeat)")
+    p.add_argument("--cgroup", action="append", default=[], help="meter only processes in this cgroup v2 directory")
+    p.add_argument("--ring-buffer-mb", type=float, default=16.0,
+                   help="BPF ring buffer size; size it for the node's peak (events are ~300 bytes)")
+    p.add_argument("--flush-interval", type=float, default=0.5, help="seconds between store writes")
+    p.add_argument("--reconcile-interval", type=float, default=5.0, help="seconds between counter cross-checks")
+    p.add_argument("--retention", type=parse_duration, default=parse_duration("7d"),
+                   help="keep per-event detail this long (default 7d); aggregates are kept")
+    p.add_argument("--aggregate-retention", type=parse_duration, default=None, help="drop aggregates older than this")
+    p.add_argument("--prices", help="price file (see docs/audit.md) for the cost in TenantQuota usage")
+    p.add_argument("--tenant-quotas", action="store_true",
+                   help="read prices from TenantQuotas and publish status.usage (Kubernetes)")
+    p.add_argument("--kubeconfig", help="kubeconfig for --tenant-quotas (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--status-interval", type=float, default=15.0,
+                   help="at most one TenantQuota status write per tenant per this many seconds")
+    p.add_argument("--energy-price-per-kwh", default="0", help="electricity rate with --tenant-quotas")
+    p.add_argument("--gpu-source", default="none",
+                   help="GPU power for energy cost: none, nvml, or simulated:SCENARIO.yaml (a simulation)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--print-bpf", action="store_true", help="print the BPF program that would be loaded and exit")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(handler=run_auditor)
+
+    a = subparsers.add_parser("audit", help="reports and checks on the audit store",
+                              description="Usage, cost and consistency from the audit store.")
+    sub = a.add_subparsers(dest="audit_command", metavar="ACTION", required=True)
+    r = sub.add_parser("report", help="usage and cost per tenant and model")
+    r.add_argument("--db", default="audit.db")
+    r.add_argument("--tenant", help="only this tenant")
+    r.add_argument("--since", type=parse_duration, default=parse_duration("1h"), help="window length (default 1h)")
+    r.add_argument("--output", choices=("table", "json", "csv"), default="table")
+    r.add_argument("--prices", help="price file (default: token counts only, zero prices)")
+    r.add_argument("--tenant-quotas", action="store_true", help="prices from the cluster's TenantQuotas")
+    r.add_argument("--kubeconfig")
+    r.add_argument("--energy-price-per-kwh", default="0")
+    r.set_defaults(handler=run_report)
+    s = sub.add_parser("status", help="mode, lost and missing events, reconciliations, disagreements")
+    s.add_argument("--db", default="audit.db")
+    s.add_argument("--output", choices=("table", "json"), default="table")
+    s.set_defaults(handler=run_status)
+    c = sub.add_parser("reconcile", help="reconcile from counters snapshots now (with the auditor stopped)")
+    c.add_argument("--db", default="audit.db")
+    c.add_argument("--spool", required=True)
+    c.set_defaults(handler=run_reconcile)
+
+
+def _price_book(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from zerolayer.bpf.billing import PriceBook, load_price_book, price_book_from_quotas
+
+    if args.prices:
+        return load_price_book(args.prices)
+    if args.tenant_quotas:
+        from zerolayer.bpf.kube import TenantQuotaApi
+
+        return price_book_from_quotas(TenantQuotaApi(args.kubeconfig).list(), args.energy_price_per_kwh)
+    return PriceBook({})
+
+
+def _energy_source(spec: str):  # type: ignore[no-untyped-def]
+    from zerolayer.bpf.errors import AuditError
+
+    if spec == "none":
+        return None
+    if spec == "nvml":
+        from zerolayer.runtime.gpu.nvml import NvmlSource
+
+        return NvmlSource(None)
+    if spec.startswith("simulated:"):
+        from zerolayer.runtime.gpu.simulated import SimulatedGpuSource
+
+        return SimulatedGpuSource.from_yaml(spec.split(":", 1)[1])
+    raise AuditError(f"--gpu-source: none, nvml or simulated:FILE, got {spec!r}")
+
+
+def run_auditor(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from zerolayer.bpf.errors import AuditError
+
+    if args.print_bpf:
+        from zerolayer.bpf.loader import render_program
+
+        print(render_program(ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), filter_pids=bool(args.pid),
+                             filter_cgroups=bool(args.cgroup)))
+        return 0
+    from zerolayer.bpf.auditor import Auditor, AuditorSettings, open_source
+    from zerolayer.bpf.store import SqliteStore
+
+    try:
+        store = SqliteStore(args.db)
+        source = open_source(args.source, spool=args.spool, store=store,
+                             ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), pids=args.pid,
+                             cgroups=args.cgroup)
+        writer = None
+        if args.tenant_quotas:
+            from zerolayer.bpf.kube import QuotaStatusWriter, TenantQuotaApi
+
+            writer = QuotaStatusWriter(TenantQuotaApi(args.kubeconfig), min_interval_s=args.status_interval)
+        settings = AuditorSettings(flush_interval_s=args.flush_interval, reconcile_interval_s=args.reconcile_interval,
+                                   detail_retention_s=args.retention, aggregate_retention_s=args.aggregate_retention,
+                                   status_interval_s=args.status_interval)
+        auditor = Auditor(store, source, spool=args.spool, settings=settings, energy_source=_energy_source(
+            args.gpu_source), quota_writer=writer, prices=_price_book(args))
+    except AuditError as exc:
+        print(f"zerolayer auditor: {exc}", file=sys.stderr)
+        return 2
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=auditor.metrics.registry)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: auditor.stop())
+    print(f"zerolayer auditor: {source.kind} mode, store {args.db}", flush=True)
+    try:
+        auditor.run()
+    except AuditError as exc:
+        print(f"zerolayer auditor: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from zerolayer.bpf.billing import bill
+    from zerolayer.bpf.errors import AuditError
+    from zerolayer.bpf.store import NS, SqliteStore
+
+    try:
+        book = _price_book(args)
+        store = SqliteStore(args.db)
+        bills = bill(store.usage(time.time_ns() - int(args.since * NS), tenant=args.tenant), book)
+    except AuditError as exc:
+        print(f"zerolayer audit: {exc}", file=sys.stderr)
+        return 2
+    rows = [b.as_dict() for b in bills]
+    if args.output == "json":
+        print(json.dumps(rows, indent=2))
+    elif args.output == "csv":
+        buf = io.StringIO()
+        fields = list(rows[0]) if rows else ["tenant", "model", "currency", "input_tokens", "output_tokens",
+                                             "requests", "reconciled_tokens", "energy_kwh", "input_cost",
+                                             "output_cost", "energy_cost", "total"]
+        w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+        print(buf.getvalue(), end="")
+    else:
+        print(table(rows, ["tenant", "model", "requests", "input_tokens", "output_tokens", "reconciled_tokens",
+                           "energy_kwh", "total", "currency"]))
+    return 0
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    widths = [max([len(c)] + [len(str(r[c])) for r in rows]) for c in columns]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths))]
+    for r in rows:
+        lines.append("  ".join(str(r[c]).rjust(w) if isinstance(r[c], int) else str(r[c]).ljust(w)
+                               for c, w in zip(columns, widths)))
+    if not rows:
+        lines.append("(no usage in this window)")
+    return "\n".join(lines)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from zerolayer.bpf.errors import AuditError
+    from zerolayer.bpf.store import SqliteStore
+
+    try:
+        store = SqliteStore(args.db)
+        totals = store.totals()
+    except AuditError as exc:
+        print(f"zerolayer audit: {exc}", file=sys.stderr)
+        return 2
+    doc = {"mode": store.state("mode", "unknown"), "kernel_lost_events": int(store.state("kernel_lost_total", "0")),
+           **totals}
+    if args.output == "json":
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"mode: {doc['mode']}   kernel lost events: {doc['kernel_lost_events']}")
+    print(table(doc["runtimes"], ["runtime_id", "pid", "hwm", "events", "missing", "counters_seq", "final"]))
+    if doc["reconciliations"]:
+        print()
+        print(table(doc["reconciliations"], ["runtime_id", "tenant", "model", "counters_seq", "input_tokens",
+                                              "output_tokens", "events", "kind"]))
+    return 1 if any(r["kind"] == "disagreement" for r in doc["reconciliations"]) else 0
+
+
+def run_reconcile(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from zerolayer.bpf.errors import AuditError
+    from zerolayer.bpf.store import SqliteStore
+
+    try:
+        store = SqliteStore(args.db)
+        found = []
+        for path in sorted(pathlib.Path(args.spool).glob("*.counters.json")):
+            found.extend(store.reconcile(json.loads(path.read_text())))
+    except (AuditError, OSError, ValueError) as exc:
+        print(f"zerolayer audit: {exc}", file=sys.stderr)
+        return 2
+    for r in found:
+        print(f"{r.kind}: runtime {r.runtime_id} {r.tenant}/{r.model}: input {r.input_tokens:+d}, output "
+              f"{r.output_tokens:+d}, events {r.events:+d} (counters seq {r.counters_seq})")
+    if not found:
+        print("store agrees with every runtime's counters")
+    return 1 if any(r.kind == "disagreement" for r in found) else 0

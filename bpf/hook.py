@@ -1,0 +1,29 @@
+"""How ``zerolayer runtime`` meters tokens: its audit flags and the probe it hands the application.
+
+The runtime imports this module only; it depends on :mod:`zerolayer.bpf.probes` and nothing
+heavier (no bcc, no SQLite). The USDT probe is always on (a nop until an auditor attaches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from zerolayer.bpf.probes import TokenProbe
+
+
+def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--audit-spool", default=os.environ.get("ZEROLAYER_AUDIT_SPOOL"),
+                        help="directory shared with the auditor: token counters (the cross-check) and, with "
+                             "--audit-journal, the in-process event journal (env ZEROLAYER_AUDIT_SPOOL)")
+    parser.add_argument("--audit-journal", action="store_true",
+                        default=os.environ.get("ZEROLAYER_AUDIT_JOURNAL", "") not in ("", "0", "false"),
+                        help="also write token events to the spool journal: metering for hosts without BPF")
+
+
+def attach_token_probe(args: argparse.Namespace, server: Any) -> TokenProbe:
+    """Create the process's TokenProbe and route the application's token events to it; close it at exit."""
+    probe = TokenProbe(args.audit_spool, journal=bool(args.audit_journal))
+    server.app.token_sink = probe.emit
+    return probe

@@ -1,0 +1,52 @@
+"""TokenProbe (runtime side), the journal record format, and the journal source with resume."""
+
+from __future__ import annotations
+
+import json
+
+from zerolayer.bpf.events import decode_records, encode_record
+from zerolayer.bpf.journal import JournalSource
+from zerolayer.bpf.probes import TokenProbe
+
+
+def test_record_round_trip_and_partial_tail():
+    a = encode_record(7, 1, 123, "acme", "tiny", "msg_1", 10, 0, 1)
+    b = encode_record(7, 2, 124, "acme", "tiny", "msg_1", 0, 1, 0)
+    events, used = decode_records(a + b[:-3])
+    assert used == len(a)
+    assert [(e.seq, e.tenant, e.input_tokens, e.output_tokens, e.first) for e in events] == [(1, "acme", 10, 0, True)]
+
+
+def test_probe_counts_and_snapshots(tmp_path):
+    probe = TokenProbe(tmp_path, journal=True)
+    assert probe.emit("acme", "r1", "tiny", 10, 0, first=True) == 1
+    probe.emit("acme", "r1", "tiny", 0, 3)
+    probe.emit("globex", "r2", "tiny", 0, 1)
+    probe.close()
+    doc = json.loads((tmp_path / f"{probe.runtime_id:016x}.counters.json").read_text())
+    assert doc["seq"] == 3 and doc["final"] is True
+    assert {(t["tenant"], t["input_tokens"], t["output_tokens"], t["events"], t["requests"]) for t in doc["totals"]} \
+        == {("acme", 10, 3, 2, 1), ("globex", 0, 1, 1, 0)}
+
+
+def test_probe_without_spool_keeps_counters_in_memory():
+    probe = TokenProbe()
+    probe.emit("acme", "r1", "tiny", 0, 2)
+    assert probe.counters()["totals"][0]["output_tokens"] == 2
+    assert probe.mode in ("usdt", "counters")
+    probe.close()
+
+
+def test_journal_source_resumes_from_committed_state(tmp_path):
+    probe = TokenProbe(tmp_path, journal=True)
+    for i in range(5):
+        probe.emit("acme", "r1", "tiny", 0, 1)
+    source = JournalSource(tmp_path)
+    assert [e.seq for e in source.poll(0)] == [1, 2, 3, 4, 5]
+    state = source.state()
+    for i in range(2):
+        probe.emit("acme", "r1", "tiny", 0, 1)
+    # a new auditor resumes from the committed state, not from the start
+    resumed = JournalSource(tmp_path, state)
+    assert [e.seq for e in resumed.poll(0)] == [6, 7]
+    probe.close()
