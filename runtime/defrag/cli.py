@@ -1,0 +1,106 @@
+"""``zerolayer defragd``: the gpu-defragd container's command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any, Mapping
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "defragd", help="nudge idle GPU processes of this pod (SIGUSR1); reset fragmented GPUs when allowed",
+        description="gpu-defragd: scan GPU compute processes every intervalSeconds (InferenceNode spec.defrag).")
+    parser.add_argument("--node-name", help="InferenceNode to read spec.defrag from and record Events on "
+                                            "(without it: defaults, Events only in the log)")
+    parser.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, then ~/.kube/config)")
+    parser.add_argument("--source", choices=("nvml", "simulated"), default="nvml", help="GPU source (default nvml)")
+    parser.add_argument("--scenario", help="scenario YAML for --source simulated")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--pod-root", type=int, help="our pod is this PID and its descendants")
+    scope.add_argument("--pod-pids", help="our pod is exactly these PIDs (comma-separated)")
+    parser.add_argument("--interval", type=float, help="seconds between scans (overrides spec.defrag.intervalSeconds)")
+    parser.add_argument("--idle-minutes", type=float, help="overrides spec.defrag.idleMinutes")
+    parser.add_argument("--dry-run", action="store_true", default=None, help="report, never signal or reset")
+    parser.add_argument("--once", action="store_true", help="one scan, print what was done, exit")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--log-level", default="INFO")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from zerolayer.runtime.gossip.errors import KubeApiError
+    from zerolayer.runtime.gpu.api import GpuSourceError
+
+    from .daemon import DefragMetrics, Defragd, KubeEvents, LogEvents
+    from .errors import DefragError
+    from .scope import PidAllowlist, PodCgroup, ProcessTree
+
+    try:
+        if args.pod_root:
+            scope: Any = ProcessTree(args.pod_root)
+        elif args.pod_pids:
+            scope = PidAllowlist(int(p) for p in args.pod_pids.split(",") if p.strip())
+        else:
+            scope = PodCgroup()
+        if args.source == "simulated":
+            from zerolayer.runtime.gpu.simulated import SimulatedGpuSource
+
+            if not args.scenario:
+                raise DefragError("--source simulated needs --scenario FILE")
+            source: Any = SimulatedGpuSource.from_yaml(args.scenario)
+        else:
+            from zerolayer.runtime.gpu.nvml import NvmlSource
+
+            source = NvmlSource()
+    except (DefragError, GpuSourceError, ValueError) as exc:
+        print(f"zerolayer defragd: {exc}", file=sys.stderr)
+        return 2
+
+    api = None
+    last: dict[str, Mapping[str, Any] | None] = {"node": None}
+    if args.node_name:
+        from zerolayer.runtime.gossip.kube import NodeApi
+
+        try:
+            api = NodeApi(kubeconfig=args.kubeconfig, component="zerolayer-defragd")
+        except KubeApiError as exc:
+            print(f"zerolayer defragd: {exc}", file=sys.stderr)
+            return 2
+
+    def node() -> Mapping[str, Any] | None:
+        if api is None:
+            return None
+        try:
+            last["node"] = api.get(args.node_name)
+        except KubeApiError as exc:  # keep the last known policy; Events wait for the API server
+            logging.getLogger(__name__).warning("defragd: %s", exc)
+        return last["node"]
+
+    overrides = {"dry_run": args.dry_run, "interval_s": args.interval,
+                 "idle_s": args.idle_minutes * 60 if args.idle_minutes is not None else None}
+    metrics = DefragMetrics()
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=metrics.registry)
+    events = KubeEvents(api, lambda: last["node"]) if api is not None else LogEvents()
+    daemon = Defragd(source, scope, node=node, policy_overrides=overrides, events=events, metrics=metrics)
+    signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
+    print(f"zerolayer defragd: {source.kind} source, scope {scope.describe()}", flush=True)
+    try:
+        if args.once:
+            report = daemon.scan_once()
+            print(f"nudged {[n.pid for n in report.nudged]}, would nudge {[n.pid for n in report.would_nudge]}, "
+                  f"foreign {list(report.foreign)}, resets {[(r.gpu_index, r.action) for r in report.resets]}, "
+                  f"fragmentation {dict(report.fragmentation)}")
+            return 0 if report.error is None else 1
+        daemon.run()
+        return 0
+    finally:
+        source.close()
+        if api is not None:
+            api.close()

@@ -1,0 +1,101 @@
+"""Wiring gossip and gpu-defragd's nudge into ``zerolayer runtime`` (the server owns nothing of this).
+
+``add_gossip_arguments(parser)`` adds ``--node-name``, ``--kubeconfig`` and
+``--advertise-endpoint``; ``await start_node_agent(args, server)`` after ``server.start()``
+returns a :class:`NodeAgent` that
+
+- answers SIGUSR1 by releasing memory (:mod:`zerolayer.runtime.defrag.release`), always;
+- with ``--node-name``: publishes the GPU map into that InferenceNode's status and watches
+  every InferenceNode, so :meth:`NodeAgent.fleet` gives the map for alternatives
+  (:func:`zerolayer.gpumap.alternatives_header`) and the map endpoint
+  (:func:`zerolayer.gpumap.render_map_document`).
+
+``await agent.stop()`` before the process exits publishes ``admitting: false`` once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from typing import Any
+
+from zerolayer.gpumap import FleetMap, GpuMapError, GpuMapWatcher
+
+from . import attach_to_server
+from .errors import KubeApiError
+from .kube import NodeApi
+from .publisher import GossipPublisher
+
+log = logging.getLogger(__name__)
+
+
+def add_gossip_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("GPU-map gossip (Kubernetes)")
+    group.add_argument("--node-name", default=os.environ.get("ZEROLAYER_NODE_NAME"),
+                       help="InferenceNode whose status this runtime publishes (enables gossip; "
+                            "env ZEROLAYER_NODE_NAME)")
+    group.add_argument("--kubeconfig", default=None,
+                       help="kubeconfig for gossip (default: in-cluster config, then ~/.kube/config)")
+    group.add_argument("--advertise-endpoint", default=os.environ.get("ZEROLAYER_ADVERTISE_ENDPOINT"),
+                       help="endpoint published in status (default: the URL the server listens on)")
+
+
+class NodeAgent:
+    """The runtime's gossip publisher, fleet watcher and SIGUSR1 handler; see the module docstring."""
+
+    def __init__(self, *, release: Any = None, publisher: GossipPublisher | None = None,
+                 watcher: GpuMapWatcher | None = None, api: NodeApi | None = None) -> None:
+        self.release = release
+        self.publisher = publisher
+        self.watcher = watcher
+        self.api = api
+
+    def fleet(self) -> FleetMap | None:
+        """The latest fleet map (never blocks); ``None`` without gossip."""
+        return self.watcher.snapshot() if self.watcher is not None else None
+
+    async def stop(self) -> None:
+        if self.release is not None:
+            self.release.remove()
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.stop)
+        if self.watcher is not None:
+            await asyncio.to_thread(self.watcher.stop)
+        if self.api is not None:
+            self.api.close()
+
+
+async def start_node_agent(args: argparse.Namespace, server: Any) -> NodeAgent:
+    """Start what ``args`` asks for around a started ``server``.
+
+    Without a usable Kubernetes configuration for ``--node-name`` the server is stopped again and
+    :class:`~zerolayer.runtime.errors.ConfigError` is raised (the CLI prints it and exits).
+    """
+    from zerolayer.runtime.errors import ConfigError
+    from zerolayer.runtime.defrag.release import ReleaseOnSignal
+
+    loop = asyncio.get_running_loop()
+    release = ReleaseOnSignal(loop, server.engine).install()
+    name = getattr(args, "node_name", None)
+    if not name:
+        return NodeAgent(release=release)
+    kubeconfig = getattr(args, "kubeconfig", None)
+    try:
+        api = await asyncio.to_thread(NodeApi, kubeconfig=kubeconfig)
+    except KubeApiError as exc:
+        release.remove()
+        await server.stop()
+        raise ConfigError(f"--node-name {name}: {exc}") from exc
+    publisher = attach_to_server(server, name, api, endpoint=getattr(args, "advertise_endpoint", None))
+    if not publisher.state.endpoint:
+        publisher.state.endpoint = server.base_url
+    publisher.start()
+    try:
+        watcher: GpuMapWatcher | None = GpuMapWatcher(kubeconfig=kubeconfig).start()
+    except GpuMapError as exc:  # the map is for alternatives only: gossip still works without it
+        log.warning("no fleet map (alternatives disabled): %s", exc)
+        watcher = None
+    log.info("gossip: publishing to InferenceNode %s as %s", name, publisher.state.endpoint)
+    return NodeAgent(release=release, publisher=publisher, watcher=watcher, api=api)
