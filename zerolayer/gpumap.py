@@ -372,8 +372,15 @@ class GpuMapWatcher:
             else:
                 self._objects[name] = obj
         self.events += 1
-        if self._on_change is not None:
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is None:
+            return
+        try:
             self._on_change()
+        except Exception:  # a consumer's bug must not end the watch (the map would freeze)
+            log.exception("GPU map on_change callback failed")
 
     def list_once(self) -> str | None:
         """Relist every InferenceNode; returns the list's resourceVersion."""
@@ -387,8 +394,7 @@ class GpuMapWatcher:
         with self._lock:
             self._objects = {str(i["metadata"]["name"]): i for i in listing.get("items", [])}
         self._ready.set()
-        if self._on_change is not None:
-            self._on_change()
+        self._changed()
         return (listing.get("metadata") or {}).get("resourceVersion")
 
     def _run(self) -> None:
