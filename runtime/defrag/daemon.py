@@ -132,9 +132,9 @@ class Defragd:
                  reset: Callable[[int], None] = nvidia_smi_reset, clock: Callable[[], float] = time.monotonic) -> None:
         self.source = source
         self.scope = scope
-        self.policy = policy or DefragPolicy()
-        self._fixed_policy = policy is not None
         self._overrides = dict(policy_overrides or {})
+        self.policy = policy or DefragPolicy.from_spec(None, **self._overrides)
+        self._fixed_policy = policy is not None
         self._node = node
         self.events = events or LogEvents()
         self.metrics = metrics or DefragMetrics()

@@ -99,3 +99,20 @@ def test_reader_imports_without_the_runtime():
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert gpumap.GROUP == "zerolayer.io"
+
+
+def test_map_table_shows_nodes_gpus_and_verdicts():
+    from zerolayer.map_cli import render_table
+
+    gpus = [{"uuid": "g0", "index": 0, "name": "H100", "utilization": 0.97, "memoryUsedBytes": 40 * 1024**3,
+             "memoryTotalBytes": 80 * 1024**3, "admitting": True, "powerWatts": 500.0, "temperatureC": 70.0,
+             "fragmentation": 0.1, "nvlinkErrors": 0}]
+    text = render_table(FleetMap.from_objects([inode("a", gpus=gpus), inode("b", age=100)], NOW))
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["NODE", "ENDPOINT", "/"]
+    row_a = next(line for line in lines if line.startswith("a "))
+    assert "NO (no GPU admitting)" in row_a and "0/1" in row_a
+    gpu_row = lines[lines.index(row_a) + 1]
+    assert "gpu0 H100" in gpu_row and "40.0/80.0" in gpu_row and "97%" in gpu_row and "NO" in gpu_row
+    assert "NO (stale: heartbeat 100.0s old > 30s)" in next(line for line in lines if line.startswith("b "))
+    assert lines[-1].startswith("2 node(s), 0 admitting")
