@@ -26,9 +26,10 @@ class JournalSource:
 
     def __init__(self, spool: str | os.PathLike[str], resume: Mapping[str, str] | None = None) -> None:
         self.spool = pathlib.Path(spool)
-        if not self.spool.is_dir():
-            raise AuditError(f"spool directory {self.spool} does not exist (the runtime creates it with "
-                             "--audit-spool)")
+        try:
+            self.spool.mkdir(parents=True, exist_ok=True)  # the auditor may start before any runtime
+        except OSError as exc:
+            raise AuditError(f"cannot use spool directory {self.spool}: {exc}") from exc
         self.offsets: dict[str, int] = {k[len(STATE_PREFIX):]: int(v) for k, v in (resume or {}).items()
                                         if k.startswith(STATE_PREFIX)}
         self._pending: dict[str, int] = {}

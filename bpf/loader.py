@@ -105,12 +105,13 @@ class BpfTokenSource:
         try:
             usdt = bcc.USDT(path=library)
             usdt.enable_probe(probe="token", fn_name="on_token")
-            self.bpf = bcc.BPF(text=self.text, usdt_contexts=[usdt])
+            # bytes everywhere: bcc warns (DeprecationWarning) on str arguments
+            self.bpf = bcc.BPF(text=self.text.encode(), usdt_contexts=[usdt])
             for pid in self.pids:
-                self.bpf["target_pids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+                self.bpf[b"target_pids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
             for cid in self.cgroup_ids:
-                self.bpf["target_cgroups"][ctypes.c_uint64(cid)] = ctypes.c_uint8(1)
-            self._ring = self.bpf["events"]
+                self.bpf[b"target_cgroups"][ctypes.c_uint64(cid)] = ctypes.c_uint8(1)
+            self._ring = self.bpf[b"events"]
             self._ring.open_ring_buffer(self._on_event)
         except Exception as exc:  # bcc raises Exception for compile/attach failures
             raise BpfUnavailable(f"cannot load the BPF program: {exc}") from exc
@@ -134,10 +135,10 @@ class BpfTokenSource:
 
     def lost(self) -> int:
         """Events the kernel could not queue because the ring buffer was full (since attach)."""
-        return int(sum(self.bpf["lost"].getvalue(0)))
+        return int(sum(self.bpf[b"lost"].getvalue(0)))
 
     def add_pid(self, pid: int) -> None:
-        self.bpf["target_pids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+        self.bpf[b"target_pids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
 
     def close(self) -> None:
         self.bpf.cleanup()

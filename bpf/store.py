@@ -340,7 +340,8 @@ class SqliteStore:
                     for r in db.execute("SELECT runtime_id, pid, hwm, events, pruned_seq, counters_seq, final "
                                         "FROM runtimes ORDER BY first_ns")]
         for r in runtimes:
-            r["missing"] = r["hwm"] - r["events"]  # seq gaps: events lost before reaching the store
+            # Events that never reached the store: seq gaps, and the tail the runtime's counters saw beyond hwm.
+            r["missing"] = max(r["hwm"], r["counters_seq"]) - r["events"]
         ledger = [dict(zip(("runtime_id", "tenant", "model", "input_tokens", "output_tokens", "events", "requests",
                             "reconciled_input", "reconciled_output", "reconciled_events"), r))
                   for r in db.execute("SELECT * FROM runtime_ledger ORDER BY runtime_id, tenant, model")]
