@@ -116,3 +116,12 @@ def test_map_table_shows_nodes_gpus_and_verdicts():
     assert "gpu0 H100" in gpu_row and "40.0/80.0" in gpu_row and "97%" in gpu_row and "NO" in gpu_row
     assert "NO (stale: heartbeat 100.0s old > 30s)" in next(line for line in lines if line.startswith("b "))
     assert lines[-1].startswith("2 node(s), 0 admitting")
+
+
+def test_gossip_and_defrag_stay_below_the_server():
+    code = ("import sys, zerolayer.runtime.gossip, zerolayer.runtime.gossip.hook, zerolayer.runtime.defrag.daemon, "
+            "zerolayer.runtime.defrag.cli; "
+            "bad = [m for m in sys.modules if m.startswith(('zerolayer.runtime.server', 'zerolayer.runtime.app', "
+            "'zerolayer.runtime.scheduler', 'zerolayer.runtime.engine', 'zerolayer.operator', 'zerolayer.client'))];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
