@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "($ZEROLAYER_RESYNC_SECONDS, default 30)")
     p.add_argument("--health-port", type=int, default=8080, help="liveness endpoint port, /healthz (0: off)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--selector", metavar="KEY=VALUE", action="append", default=[],
+                   help="only handle InferenceNodes and TenantQuotas with this label (repeatable); lets "
+                        "several operators or test runs share a cluster")
     p.add_argument("--log-level", choices=["debug", "info", "warning"], default="info")
     p.set_defaults(handler=_run)
 
@@ -43,15 +46,28 @@ def _run(args: argparse.Namespace) -> int:
             runtime_image=args.runtime_image, resync_seconds=args.resync_seconds)
     except ConfigError as exc:
         raise SystemExit(f"zerolayer operator: {exc}") from exc
+    selector = {}
+    for item in args.selector:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"zerolayer operator: --selector {item!r}: use KEY=VALUE")
+        selector[key] = value
     if args.kubeconfig:
         # kopf's own login (for its watches) reads $KUBECONFIG; our client gets the path directly.
         os.environ["KUBECONFIG"] = args.kubeconfig
     kopf.configure(verbose=args.log_level == "debug", quiet=args.log_level == "warning")
     logging.getLogger().setLevel(args.log_level.upper())
+    if args.log_level != "debug":
+        # kopf logs every handler run at INFO ("Handler ... succeeded", each Node heartbeat);
+        # our reconciler logs what it actually did. kopf's warnings and errors still show.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics = OperatorMetrics()
     if args.metrics_port:
-        metrics.serve(args.metrics_port)
-    registry = build_registry(config, kubeconfig=args.kubeconfig, metrics=metrics)
+        try:
+            metrics.serve(args.metrics_port)
+        except OSError as exc:
+            raise SystemExit(f"zerolayer operator: cannot serve metrics on port {args.metrics_port}: {exc}") from exc
+    registry = build_registry(config, kubeconfig=args.kubeconfig, metrics=metrics, selector=selector)
     kopf.run(
         registry=registry,
         standalone=True,  # one active replica (the chart's Deployment uses Recreate); no peering CRD needed

@@ -23,8 +23,8 @@ from zerolayer.operator.kube import Credentials, Kube
 from zerolayer.operator.metrics import OperatorMetrics
 from zerolayer.operator.reconcile import Reconciler, WaitingFor
 
-INODE = {"group": m.GROUP, "version": m.VERSION, "plural": "inferencenodes"}
-TQUOTA = {"group": m.GROUP, "version": m.VERSION, "plural": "tenantquotas"}
+_INODE = {"group": m.GROUP, "version": m.VERSION, "plural": "inferencenodes"}
+_TQUOTA = {"group": m.GROUP, "version": m.VERSION, "plural": "tenantquotas"}
 OURS = {"app.kubernetes.io/managed-by": "zerolayer-operator"}
 FINALIZER = "zerolayer.io/finalizer"
 
@@ -57,9 +57,16 @@ def _owner(body: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
-                   metrics: OperatorMetrics | None = None) -> kopf.OperatorRegistry:
-    """All handlers, registered into a fresh registry (so tests can build several)."""
+                   metrics: OperatorMetrics | None = None,
+                   selector: Mapping[str, str] | None = None) -> kopf.OperatorRegistry:
+    """All handlers, registered into a fresh registry (so tests can build several).
+
+    ``selector`` (labels) limits the operator to the InferenceNodes and TenantQuotas that
+    carry them, so several operators (or test runs) can share one cluster.
+    """
     registry = kopf.OperatorRegistry()
+    INODE = {**_INODE, "labels": dict(selector)} if selector else _INODE
+    TQUOTA = {**_TQUOTA, "labels": dict(selector)} if selector else _TQUOTA
     metrics = metrics or OperatorMetrics()
     interval = config.resync_seconds
 
@@ -73,18 +80,27 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         # Our events tell the story; kopf's own "Handler succeeded" events would drown it.
         settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 300
+        # Probe handlers are not retried for long: /healthz must answer, not hang.
+        settings.execution.max_workers = 4
         memo.reconciler = Reconciler(Kube(Credentials.load(kubeconfig), on_request=metrics.on_request),
-                                     config, observe=metrics.observe)
+                                     config, observe=metrics.observe, selector=selector)
         memo.ready_seen = {}
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # A private registry has no default login handlers; use the kubernetes client's loaders
+        # (kubeconfig from $KUBECONFIG, else the pod's service account), as our own client does.
+        return kopf.login_via_client(**kwargs)
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
         await memo.reconciler.kube.close()
 
     @kopf.on.probe(id="reconciles", registry=registry)
-    def reconciles(**_: Any) -> dict:
-        return {s.name: s.samples[0].value if s.samples else 0
-                for fam in metrics.reconciles.collect() for s in fam.samples}
+    async def reconciles(**_: Any) -> dict:
+        # Shown in the /healthz answer: reconciliations so far by kind and result.
+        return {f"{s.labels['kind']}/{s.labels['result']}": s.value
+                for family in metrics.reconciles.collect() for s in family.samples if s.name.endswith("_total")}
 
     # ------------------------------------------------------------ InferenceNode
     @kopf.on.resume(**INODE, registry=registry)

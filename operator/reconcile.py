@@ -74,12 +74,14 @@ class Reconciler:
     """Holds the operator's collaborators; one instance per operator process.
 
     ``node_index`` maps a Kubernetes Node name to the InferenceNodes that claim it, so a
-    Node event can be routed to its InferenceNode without a list call.
+    Node event can be routed to its InferenceNode without a list call. ``selector``: the
+    labels an object must carry to be ours (see ``zerolayer operator --selector``).
     """
 
     def __init__(self, kube: Kube, config: OperatorConfig, *, now: Callable[[], datetime.datetime] = utcnow,
-                 observe: Callable[[str, str], None] | None = None):
+                 observe: Callable[[str, str], None] | None = None, selector: Mapping[str, str] | None = None):
         self.kube = kube
+        self.selector = dict(selector or {})
         self.config = config
         self.now = now
         self.observe = observe or (lambda kind, result: None)
@@ -122,7 +124,8 @@ class Reconciler:
                                               "conditions": merged, **extra})
         return merged
 
-    async def _note_transition(self, body: Mapping[str, Any], outcome: Outcome, new: list[dict]) -> None:
+    async def _note_transition(self, body: Mapping[str, Any], outcome: Outcome, new: list[dict],
+                               phase: str) -> None:
         """One event when Ready flips, saying why."""
         old_ready = cond.find((body.get("status") or {}).get("conditions"), "Ready")
         ready = cond.find(new, "Ready")
@@ -130,7 +133,9 @@ class Reconciler:
             if ready["status"] == cond.TRUE:
                 await self._act(body, outcome, "Ready", ready["message"])
             else:
-                await self._act(body, outcome, ready["reason"], ready["message"], warning=True)
+                # Not ready yet while progressing is normal; a warning only when something broke.
+                await self._act(body, outcome, ready["reason"], ready["message"],
+                                warning=phase in ("Degraded", "Pending"))
 
     # ================================================================= InferenceNode
     async def reconcile_inference_node(self, body: Mapping[str, Any]) -> Outcome:
@@ -158,7 +163,7 @@ class Reconciler:
         if problems:
             new = await self._conditions_status(body, INODE, [
                 cond.condition("Ready", False, "InvalidSpec", "; ".join(problems))], "Degraded")
-            await self._note_transition(body, outcome, new)
+            await self._note_transition(body, outcome, new, "Degraded")
             raise SpecError(problems)
 
         node_name = spec["nodeName"]
@@ -175,7 +180,7 @@ class Reconciler:
                 cond.condition("NodeLabelled", False, "NodeMissing", message),
                 cond.condition("Ready", False, "NodeMissing", message),
             ], "Pending")
-            await self._note_transition(body, outcome, new)
+            await self._note_transition(body, outcome, new, "Pending")
             raise WaitingFor(message, delay=min(30.0, self.config.resync_seconds))
 
         self.missing_nodes.discard(node_name)
@@ -214,7 +219,7 @@ class Reconciler:
                                    f"runtime is ready on node {node_name} and publishing its GPU map")
             phase = "Ready"
         new = await self._conditions_status(body, INODE, parts + [ready], phase)
-        await self._note_transition(body, outcome, new)
+        await self._note_transition(body, outcome, new, phase)
         outcome.ready = not not_ready
         return outcome
 
@@ -310,7 +315,7 @@ class Reconciler:
         if problems:
             new = await self._conditions_status(body, TQUOTA, [
                 cond.condition("Ready", False, "InvalidSpec", "; ".join(problems))], "Degraded")
-            await self._note_transition(body, outcome, new)
+            await self._note_transition(body, outcome, new, "Degraded")
             raise SpecError(problems)
 
         namespace, secret, key = m.secret_ref(body, self.config)
@@ -328,7 +333,7 @@ class Reconciler:
             new = await self._conditions_status(body, TQUOTA, [
                 cond.condition("SecretFound", False, *problem),
                 cond.condition("Ready", False, *problem)], "Pending", keyCount=0)
-            await self._note_transition(body, outcome, new)
+            await self._note_transition(body, outcome, new, "Pending")
             raise WaitingFor(problem[1], delay=min(10.0, self.config.resync_seconds))
         secret_found = cond.condition("SecretFound", True, "SecretFound",
                                       f"API-key Secret {namespace}/{secret} holds {check.key_count} key(s)")
@@ -363,7 +368,7 @@ class Reconciler:
         new = await self._conditions_status(body, TQUOTA, [secret_found, applied, ready], "Ready",
                                             keyCount=check.key_count,
                                             networkPolicies=[policy["metadata"]["name"]])
-        await self._note_transition(body, outcome, new)
+        await self._note_transition(body, outcome, new, "Ready")
         outcome.ready = True
         return outcome
 
@@ -385,15 +390,22 @@ class Reconciler:
         return outcome
 
     # ================================================================= cross-object triggers
-    async def reconcile_inference_node_by_name(self, name: str) -> Outcome | None:
-        """Reconcile an InferenceNode named by a child's or a Node's event (None if it is gone)."""
-        body = await self.kube.get(*INODE, name)
+    def _selected(self, body: Mapping[str, Any] | None) -> bool:
         if body is None or body["metadata"].get("deletionTimestamp"):
+            return False
+        labels = body["metadata"].get("labels") or {}
+        return all(labels.get(k) == v for k, v in self.selector.items())
+
+    async def reconcile_inference_node_by_name(self, name: str) -> Outcome | None:
+        """Reconcile an InferenceNode named by a child's or a Node's event (None if it is gone
+        or not ours)."""
+        body = await self.kube.get(*INODE, name)
+        if not self._selected(body):
             return None
         return await self.reconcile_inference_node(body)
 
     async def reconcile_tenant_quota_by_name(self, name: str) -> Outcome | None:
         body = await self.kube.get(*TQUOTA, name)
-        if body is None or body["metadata"].get("deletionTimestamp"):
+        if not self._selected(body):
             return None
         return await self.reconcile_tenant_quota(body)
