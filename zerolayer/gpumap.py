@@ -408,7 +408,10 @@ class GpuMapWatcher:
                 self._watcher = watch.Watch()
                 for event in self._watcher.stream(self._api.list_cluster_custom_object, GROUP, VERSION, PLURAL,
                                                   resource_version=version,
-                                                  timeout_seconds=self._watch_timeout_s):
+                                                  timeout_seconds=self._watch_timeout_s,
+                                                  # client-side too: an API server that dies mid-watch
+                                                  # must not leave the read hanging
+                                                  _request_timeout=self._watch_timeout_s + 15):
                     if self._stop.is_set():
                         break
                     if event.get("type") == "ERROR":  # e.g. 410 Gone: relist
