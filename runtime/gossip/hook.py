@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 from typing import Any
 
 from zerolayer.gpumap import FleetMap, GpuMapError, GpuMapWatcher
@@ -40,6 +41,24 @@ def add_gossip_arguments(parser: argparse.ArgumentParser) -> None:
                        help="kubeconfig for gossip (default: in-cluster config, then ~/.kube/config)")
     group.add_argument("--advertise-endpoint", default=os.environ.get("ZEROLAYER_ADVERTISE_ENDPOINT"),
                        help="endpoint published in status (default: the URL the server listens on)")
+
+
+def advertised_endpoint(base_url: str, host: str, port: int) -> str:
+    """The URL clients can reach: ``base_url``, unless the server listens on every address.
+
+    Then ``POD_IP`` (the downward API's ``status.podIP``) or this host's address stands in for
+    ``0.0.0.0`` / ``::``, which no client can dial.
+    """
+    if host not in ("0.0.0.0", "::", ""):
+        return base_url
+    address = os.environ.get("POD_IP")
+    if not address:
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            address = "127.0.0.1"
+    scheme = base_url.split("://", 1)[0]
+    return f"{scheme}://[{address}]:{port}" if ":" in address else f"{scheme}://{address}:{port}"
 
 
 class NodeAgent:
@@ -90,7 +109,7 @@ async def start_node_agent(args: argparse.Namespace, server: Any) -> NodeAgent:
         raise ConfigError(f"--node-name {name}: {exc}") from exc
     publisher = attach_to_server(server, name, api, endpoint=getattr(args, "advertise_endpoint", None))
     if not publisher.state.endpoint:
-        publisher.state.endpoint = server.base_url
+        publisher.state.endpoint = advertised_endpoint(server.base_url, server.host, server.port)
     publisher.start()
     try:
         watcher: GpuMapWatcher | None = GpuMapWatcher(kubeconfig=kubeconfig).start()

@@ -132,3 +132,13 @@ current-context: x
 def test_node_api_without_configuration_is_a_kube_api_error(tmp_path):
     with pytest.raises(KubeApiError, match="no Kubernetes configuration"):
         NodeApi(kubeconfig=str(tmp_path / "missing"))
+
+
+def test_advertised_endpoint_replaces_the_wildcard_address(monkeypatch):
+    from zerolayer.runtime.gossip.hook import advertised_endpoint
+
+    assert advertised_endpoint("http://127.0.0.1:8443", "127.0.0.1", 8443) == "http://127.0.0.1:8443"
+    monkeypatch.setenv("POD_IP", "10.1.2.3")
+    assert advertised_endpoint("https://0.0.0.0:8443", "0.0.0.0", 8443) == "https://10.1.2.3:8443"
+    monkeypatch.setenv("POD_IP", "fd00::7")
+    assert advertised_endpoint("http://:::8443", "::", 8443) == "http://[fd00::7]:8443"
