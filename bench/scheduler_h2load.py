@@ -44,6 +44,16 @@ class H2Result:
         return self.status == 200 and self.reset_code is None and "message_stop" in self.events
 
     @property
+    def error_message(self) -> str:
+        """The JSON error body's message (responses that are not 200), else ''."""
+        if self.status is None or self.status == 200:
+            return ""
+        try:
+            return str(json.loads(self.body.decode(errors="replace"))["error"].get("message", ""))
+        except (ValueError, KeyError):
+            return ""
+
+    @property
     def error_code(self) -> str | None:
         text = self.body.decode(errors="replace")
         if self.status is not None and self.status != 200:

@@ -4,6 +4,9 @@ and the scheduler's reaction-time distribution.
 
     python bench/scheduler_overload.py [--duration 12] [--warmup 3] [--out bench/results]
 
+Modes: shedding on (defaults), on + projection (``kv_capacity_tokens`` set: admissions
+between two samples are added to the last sample), off.
+
 Setup (named, so the numbers can be compared): the engine is ``ContendedEngine`` (a model
 of a batch- and KV-limited engine, see that module) with the parameters in ``ENGINE``;
 "1x" is its saturated throughput (``capacity_rps``). Requests arrive open-loop (Poisson),
@@ -48,7 +51,16 @@ from zerolayer.runtime.scheduler import MicroScheduler, Pressure, SchedulerConfi
 ENGINE = dict(output_tokens=8, kv_capacity_tokens=2048, max_num_seqs=128, step_base_s=0.2, step_per_seq_s=0.00005)
 WORDS = 40
 HIGH_SHARE = 0.3
-SHEDDING_OFF = SchedulerConfig(filters=("permission", "quota", "deadline"), max_preemptions_per_tick=0)
+MODES = ("on", "on+projection", "off")
+
+
+def config_for(mode: str) -> SchedulerConfig:
+    """Shedding on (defaults), on with the between-samples projection, or off entirely."""
+    if mode == "off":
+        return SchedulerConfig(filters=("permission", "quota", "deadline"), max_preemptions_per_tick=0)
+    if mode == "on+projection":
+        return SchedulerConfig(kv_capacity_tokens=ENGINE["kv_capacity_tokens"])
+    return SchedulerConfig()
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -58,10 +70,10 @@ def quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(len(values) * q))]
 
 
-async def run(load: float, shedding: bool, duration: float, warmup: float, client_timeout: float,
+async def run(load: float, mode: str, duration: float, warmup: float, client_timeout: float,
               high_share: float, seed: int) -> dict:
     engine = ContendedEngine(**ENGINE)
-    sched = MicroScheduler(SchedulerConfig() if shedding else SHEDDING_OFF)
+    sched = MicroScheduler(config_for(mode))
     node = InProcessNode(engine, sched)
     await node.start()
     prompt = await engine.render("synthetic", [ChatMessage("user", " ".join(["word"] * WORDS))])
@@ -82,7 +94,7 @@ async def run(load: float, shedding: bool, duration: float, warmup: float, clien
         await asyncio.sleep(rnd.expovariate(load * capacity))
     outcomes = [(p, at, await task) for p, at, task in sent]
     await node.close()
-    return {"load": load, "shedding": shedding, "capacity_rps": capacity,
+    return {"load": load, "mode": mode, "capacity_rps": capacity,
             "steady_s": duration - warmup,
             "outcomes": [(p, at, o) for p, at, o in outcomes if at >= warmup],
             "reaction_s": list(sched.metrics.reaction_samples),
@@ -98,7 +110,7 @@ def summarise(result: dict, slo_s: float, unloaded_p99: float) -> list[dict]:
         total = [o.total_s for o in ok if o.total_s is not None]
         good = [o for o in ok if o.ttft_s is not None and o.ttft_s <= slo_s]
         rows.append({
-            "load": result["load"], "shedding": "on" if result["shedding"] else "off",
+            "load": result["load"], "shedding": result["mode"],
             "priority": priority.name.lower(), "offered": len(mine),
             "goodput_rps": len(good) / result["steady_s"],
             "completed": len(ok), "refused": sum(o.status == "refused" for o in mine),
@@ -144,7 +156,7 @@ def plot(rows: list[dict], reactions: list[float], isolated: list[float], path: 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for shedding, style in (("on", "-o"), ("off", "--x")):
+    for shedding, style in (("on", "-o"), ("on+projection", "-.s"), ("off", "--x")):
         for priority, color in (("high", "tab:red"), ("low", "tab:blue")):
             sel = [r for r in rows if r["shedding"] == shedding and r["priority"] == priority]
             loads = [r["load"] for r in sel]
@@ -182,7 +194,7 @@ async def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ENGINE["step_base_s"] = args.step_s
 
-    baseline = await run(0.3, True, args.duration, args.warmup, args.client_timeout, 1.0, seed=1)
+    baseline = await run(0.3, "on", args.duration, args.warmup, args.client_timeout, 1.0, seed=1)
     base_ttft = [o.ttft_s for _, _, o in baseline["outcomes"] if o.status == "ok"]
     unloaded_p99 = quantile(base_ttft, 0.99)
     slo = 2 * unloaded_p99
@@ -191,14 +203,15 @@ async def main() -> int:
     rows: list[dict] = []
     reactions: list[float] = []
     for load in [float(x) for x in args.loads.split(",")]:
-        for shedding in (True, False):
-            result = await run(load, shedding, args.duration, args.warmup, args.client_timeout, HIGH_SHARE,
+        for mode in MODES:
+            result = await run(load, mode, args.duration, args.warmup, args.client_timeout, HIGH_SHARE,
                                seed=int(load * 10))
-            reactions += result["reaction_s"]
+            if mode == "on":
+                reactions += result["reaction_s"]
             new = summarise(result, slo, unloaded_p99)
             rows += new
             for r in new:
-                print(f"  {r['load']:g}x shedding {r['shedding']:3} {r['priority']:4}: goodput {r['goodput_rps']:.1f}/s "
+                print(f"  {r['load']:g}x shedding {r['shedding']:13} {r['priority']:4}: goodput {r['goodput_rps']:.1f}/s "
                       f"p99 TTFT {r['ttft_p99_ms']:.0f} ms ({r['ttft_p99_ratio']:.2f}x) refused {r['refused']} "
                       f"preempted {r['preempted']} timeout {r['timeout']}", flush=True)
     isolated = isolated_reaction()

@@ -57,6 +57,10 @@ class SchedulerConfig:
     #: most streams preempted by one ``observe`` call, all classes together
     max_preemptions_per_tick: int = 2
     pressure_retry_after_s: float = 1.0
+    #: KV-cache size in tokens that the memory fraction stands for (0 = unknown, feature off).
+    #: When set, tokens reserved by admissions after the last sample are added to that
+    #: sample's fraction, so a burst between two samples cannot run past the marks unseen.
+    kv_capacity_tokens: int = 0
 
     # --- quota
     quota_window_s: float = 60.0
@@ -84,6 +88,8 @@ class SchedulerConfig:
             )
         if self.preempt_after_samples < 1:
             raise SchedulerConfigError("preempt_after_samples must be >= 1")
+        if self.kv_capacity_tokens < 0:
+            raise SchedulerConfigError("kv_capacity_tokens must be >= 0 (0 = no projection between samples)")
         if self.max_preemptions_per_tick < 0:
             raise SchedulerConfigError("max_preemptions_per_tick must be >= 0 (0 disables preemption)")
         for name in ("quota_window_s", "prefill_tokens_per_s"):

@@ -20,7 +20,7 @@ from .config import SchedulerConfig, SchedulerError
 from .metrics import SchedulerMetrics
 from .plugins import (AdmissionContext, Refusal, SharedState, build_filters, build_ordering,
                       build_victim_picker)
-from .pressure import SHED_CLASSES, PressureGate
+from .pressure import SHED_CLASSES, PressureGate, Projection
 from .quota import QuotaLedger, retry_after_header
 
 STAGES = ("headers", "body")
@@ -43,7 +43,8 @@ class MicroScheduler:
     * ``settle`` is keyed by ``stream_key`` and idempotent: settling a stream that was
       refused, already settled, or never admitted does nothing.
     * ``observe``/``expired`` return each stream at most once until it is settled, so the
-      server never resets the same stream twice.
+      server never resets the same stream twice, and only streams still open here (admitted,
+      not settled): one that ended while the server was sampling is not returned.
     * Refusals carry ``retry-after`` both as ``retry_after_s`` and, ready to send, in
       ``headers`` (with ``x-ratelimit-*`` for quota refusals and, for the tenant's limits,
       on accepted admissions too).
@@ -54,8 +55,8 @@ class MicroScheduler:
         self.config = config or SchedulerConfig()
         self.metrics = SchedulerMetrics(registry)
         self._state = SharedState(self.config, PressureGate.from_config(self.config),
-                                  QuotaLedger(self.config.quota_window_s,
-                                                                      self.config.concurrency_retry_after_s))
+                                  QuotaLedger(self.config.quota_window_s, self.config.concurrency_retry_after_s),
+                                  Projection(self.config.kv_capacity_tokens))
         self._filters = build_filters(self._state)
         self._ordering = build_ordering(self._state)
         self._victims = build_victim_picker(self._state)
@@ -112,6 +113,8 @@ class MicroScheduler:
                 ticket.stream_key, ticket.prompt_tokens + ticket.max_tokens, now, new_request=previous is None)
             reservation = Reservation(ticket.stream_key, ticket.tenant, ticket.priority,
                                       ticket.prompt_tokens + ticket.max_tokens, at)
+            before = previous.reservation.reserved_tokens if previous is not None else 0
+            self._state.projection.admitted(reservation.reserved_tokens - before, now)
             self._streams[ticket.stream_key] = _Stream(ticket, reservation)
             self.metrics.count_admitted(ticket.priority, stage)
             self.metrics.open_streams.set(len(self._streams))
@@ -132,6 +135,7 @@ class MicroScheduler:
     def observe(self, pressure: Pressure, now: float) -> Sequence[Preemption]:
         with self._lock:
             self._last_pressure = pressure
+            self._state.projection.sampled(pressure.sampled_at)
             self.metrics.memory_fraction.set(pressure.memory_fraction)
             for change in self._state.gate.update(pressure.memory_fraction, pressure.sampled_at):
                 self.metrics.gate_changed(change.priority, change.shedding, now - change.sampled_at)
@@ -149,6 +153,8 @@ class MicroScheduler:
             for stream in running:
                 if stream.deadline is None or now < stream.deadline or stream.stream_key in self._preempted:
                     continue
+                if stream.stream_key not in self._streams:
+                    continue  # settled since the server's snapshot: nothing left to stop
                 self._preempted.add(stream.stream_key)
                 self.metrics.count_preempted("deadline", stream.priority, ErrorCode.DEADLINE_EXCEEDED.value)
                 out.append(Preemption(stream.stream_key, ErrorCode.DEADLINE_EXCEEDED, "deadline"))
@@ -189,7 +195,9 @@ class MicroScheduler:
                 break
             if gate.sustained(priority) < self.config.preempt_after_samples:
                 continue
-            for victim in self._victims.pick(running, priority, budget, self._preempted):
+            # streams settled since the server took its snapshot are no longer candidates
+            candidates = [s for s in running if s.stream_key in self._streams]
+            for victim in self._victims.pick(candidates, priority, budget, self._preempted):
                 self._preempted.add(victim.stream_key)
                 self.metrics.count_preempted("memory_pressure", priority, ErrorCode.RESOURCE_EXHAUSTED.value)
                 out.append(Preemption(victim.stream_key, ErrorCode.RESOURCE_EXHAUSTED, "memory_pressure"))

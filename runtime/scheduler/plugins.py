@@ -20,7 +20,7 @@ from zerolayer.contract import ErrorCode, Priority
 
 from .api import Pressure, RunningStream, TenantPolicy, Ticket
 from .config import SchedulerConfig, SchedulerConfigError
-from .pressure import PressureGate
+from .pressure import PressureGate, Projection
 from .quota import QuotaLedger
 
 
@@ -52,6 +52,7 @@ class SharedState:
     config: SchedulerConfig
     gate: PressureGate
     ledger: QuotaLedger
+    projection: Projection = dataclasses.field(default_factory=lambda: Projection(0))
 
 
 class Filter(Protocol):
@@ -188,15 +189,24 @@ class PressureFilter:
 
     def __init__(self, state: SharedState) -> None:
         self._gate = state.gate
+        self._projection = state.projection
+        self._config = state.config
         self._retry_after_s = state.config.pressure_retry_after_s
 
     def check(self, ctx: AdmissionContext) -> Refusal | None:
-        if self._gate.admitting(ctx.ticket.priority):
-            return None
-        fraction = self._gate.last_fraction or 0.0
-        return Refusal(ErrorCode.RESOURCE_EXHAUSTED, "memory_pressure",
-                       f"node is shedding {ctx.ticket.priority.name.lower()} work: memory at {fraction:.1%}",
-                       self._retry_after_s)
+        priority = ctx.ticket.priority
+        what = priority.name.lower()
+        if not self._gate.admitting(priority):
+            fraction = self._gate.last_fraction or 0.0
+            return Refusal(ErrorCode.RESOURCE_EXHAUSTED, "memory_pressure",
+                           f"node is shedding {what} work: memory at {fraction:.1%}", self._retry_after_s)
+        # the last sample was below the mark, but what was admitted since may not be
+        projected = self._projection.fraction(self._gate.last_fraction)
+        if projected is not None and self._projection.enabled and projected >= self._config.watermarks(priority).shed_at:
+            return Refusal(ErrorCode.RESOURCE_EXHAUSTED, "projected_memory_pressure",
+                           f"node is not taking more {what} work until the next memory sample: "
+                           f"{projected:.1%} projected", self._retry_after_s)
+        return None
 
 
 # ============================================================================ ordering

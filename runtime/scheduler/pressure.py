@@ -8,6 +8,7 @@ reading that wobbles around one mark from flapping. ``HIGH`` has no marks and is
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Mapping, Sequence
 
@@ -74,6 +75,39 @@ class PressureGate:
         """How many consecutive samples (ending with the last) were at or above ``shed_at``."""
         state = self._classes.get(priority)
         return 0 if state is None else state.samples_at_or_above
+
+
+class Projection:
+    """Memory admitted since the last sample, projected onto that sample's fraction.
+
+    Samples come every 200 ms; an engine can fill its cache faster. Every admission adds
+    its reserved tokens (prompt + ``max_tokens``: an upper bound of what it will hold) with
+    its time; a sample taken at ``t`` already shows what was admitted up to ``t``, so only
+    later admissions are added. Off when ``capacity_tokens`` is 0.
+    """
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_tokens = capacity_tokens
+        self._since: collections.deque[tuple[float, int]] = collections.deque()
+        self._tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_tokens > 0
+
+    def admitted(self, tokens: int, at: float) -> None:
+        if self.enabled and tokens:
+            self._since.append((at, tokens))
+            self._tokens += tokens
+
+    def sampled(self, sampled_at: float) -> None:
+        while self._since and self._since[0][0] <= sampled_at:
+            self._tokens -= self._since.popleft()[1]
+
+    def fraction(self, sampled_fraction: float | None) -> float | None:
+        if not self.enabled or sampled_fraction is None:
+            return sampled_fraction
+        return sampled_fraction + self._tokens / self.capacity_tokens
 
 
 def pressure_from_readings(

@@ -30,3 +30,11 @@ def pressure(fraction: float, at: float, streams=(), waiting: int = 0) -> Pressu
 def sample_value(registry, name: str, **labels) -> float:
     value = registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+def admitted(sched: MicroScheduler, streams):
+    """Admit a ticket for each running stream (the scheduler only stops streams it admitted)."""
+    for s in streams:
+        adm = sched.admit(Ticket(s.stream_key, "acme", s.priority, "tiny", 1, 1, None), now=0.0)
+        assert adm.admitted, adm
+    return list(streams)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from scheduler_factories import pressure, running, sample_value, scheduler, ticket
+from scheduler_factories import admitted, pressure, running, sample_value, scheduler, ticket
 from zerolayer.contract import ErrorCode, Priority
 from zerolayer.runtime.scheduler import (MicroScheduler, Scheduler, SchedulerConfig, SchedulerConfigError,
                                          SchedulerError, TenantPolicy)
@@ -50,7 +50,8 @@ def test_unknown_stage_is_an_error():
 
 def test_expired_returns_each_late_stream_once_and_counts_it():
     sched = scheduler()
-    streams = [running("a", H, 10, deadline=5.0), running("b", L, 10, deadline=9.0), running("c", N, 10)]
+    streams = admitted(sched, [running("a", H, 10, deadline=5.0), running("b", L, 10, deadline=9.0),
+                               running("c", N, 10)])
     out = sched.expired(streams, now=6.0)
     assert [(p.stream_key, p.code, p.reason) for p in out] == [("a", ErrorCode.DEADLINE_EXCEEDED, "deadline")]
     assert sched.expired(streams, now=6.5) == []
@@ -61,7 +62,7 @@ def test_expired_returns_each_late_stream_once_and_counts_it():
 
 def test_a_stream_preempted_for_deadline_is_not_preempted_again_for_pressure():
     sched = scheduler(preempt_after_samples=1)
-    streams = [running("a", L, 10, deadline=1.0)]
+    streams = admitted(sched, [running("a", L, 10, deadline=1.0)])
     assert len(sched.expired(streams, now=2.0)) == 1
     assert sched.observe(pressure(0.99, 2.0, streams), now=2.0) == []
 
@@ -103,6 +104,7 @@ def test_set_tenants_replaces_policies():
     ({"filters": ["pressure"], "max_preemptions_per_tick": 4},
      SchedulerConfig(filters=("pressure",), max_preemptions_per_tick=4)),
     ({"unknownTenantsAllowed": False}, SchedulerConfig(unknown_tenants_allowed=False)),
+    ({"kvCapacityTokens": "4096"}, SchedulerConfig(kv_capacity_tokens=4096)),
 ])
 def test_config_from_mapping(data, expected):
     assert SchedulerConfig.from_mapping(data) == expected

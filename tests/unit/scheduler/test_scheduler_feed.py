@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from scheduler_factories import running, scheduler, ticket
+from scheduler_factories import admitted, running, scheduler, ticket
 from zerolayer.contract import ErrorCode, Priority
 from zerolayer.runtime.gpu import GpuSample, SimulatedGpuSource
 from zerolayer.runtime.gpu.api import GpuSourceError
@@ -21,7 +21,7 @@ def test_handle_builds_pressure_and_returns_preemptions():
     sched = scheduler(preempt_after_samples=1)
     source = SimulatedGpuSource({"gpus": [{"steps": [{"memory": 0.5, "samples": 1}, {"memory": 0.99, "samples": 1}]},
                                           {"steps": [{"memory": 0.1, "samples": 2}]}]})
-    streams = [running("big", L, 900), running("hi", H, 5), running("late", H, 5, deadline=0.0)]
+    streams = admitted(sched, [running("big", L, 900), running("hi", H, 5), running("late", H, 5, deadline=0.0)])
     sent = []
     feed = PressureFeed(sched, source, running=lambda: (streams, 3), preempt=sent.append)
     first = feed.handle(GpuSample(source.sample(), time.monotonic()))
@@ -34,10 +34,10 @@ def test_handle_builds_pressure_and_returns_preemptions():
 
 def test_failed_sample_keeps_the_gate_and_still_enforces_deadlines():
     sched = scheduler()
+    streams = admitted(sched, [running("late", L, 1, deadline=0.0)])
     feed = PressureFeed(sched, SimulatedGpuSource.constant(0.99), running=lambda: ([], 0), preempt=lambda p: None)
     feed.handle(GpuSample(feed.source.sample(), time.monotonic()))
     assert not sched.admitting(L)
-    streams = [running("late", L, 1, deadline=0.0)]
     feed._running = lambda: (streams, 0)
     out = feed.handle(GpuSample((), time.monotonic(), GpuSourceError("driver hiccup")))
     assert [p.reason for p in out] == ["deadline"]

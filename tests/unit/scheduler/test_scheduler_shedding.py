@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_factories import pressure, running, sample_value, scheduler, ticket
+from scheduler_factories import admitted, pressure, running, sample_value, scheduler, ticket
 from zerolayer.contract import ErrorCode, Priority
 from zerolayer.runtime.scheduler import PressureGate, SchedulerConfig
 
@@ -63,8 +63,8 @@ def test_new_low_refused_on_the_crossing_sample_and_resumed_below_the_lower_mark
 
 def test_running_low_preempted_largest_first_at_most_n_per_tick_only_if_pressure_persists():
     sched = scheduler(max_preemptions_per_tick=2, preempt_after_samples=2)
-    streams = [running("l1", L, 100), running("l2", L, 900), running("l3", L, 500), running("n1", N, 5000),
-               running("h1", H, 9000)]
+    streams = admitted(sched, [running("l1", L, 100), running("l2", L, 900), running("l3", L, 500),
+                               running("n1", N, 5000), running("h1", H, 9000)])
     assert sched.observe(pressure(0.93, 1.0, streams), now=1.0) == []       # crossing sample: refuse only
     first = sched.observe(pressure(0.94, 2.0, streams), now=2.0)            # persists: preempt
     assert [(p.stream_key, p.code, p.reason) for p in first] == [
@@ -77,7 +77,7 @@ def test_running_low_preempted_largest_first_at_most_n_per_tick_only_if_pressure
 
 def test_normal_preempted_only_above_second_threshold_and_high_never():
     sched = scheduler(max_preemptions_per_tick=10, preempt_after_samples=1)
-    streams = [running("l1", L, 10), running("n1", N, 10), running("n2", N, 20), running("h1", H, 30)]
+    streams = admitted(sched, [running("l1", L, 10), running("n1", N, 10), running("n2", N, 20), running("h1", H, 30)])
     out = sched.observe(pressure(0.999, 1.0, streams), now=1.0)
     assert [p.stream_key for p in out] == ["l1", "n2", "n1"]
     assert sched.observe(pressure(1.0, 2.0, streams), now=2.0) == []
@@ -92,18 +92,19 @@ def test_normal_preempted_only_above_second_threshold_and_high_never():
 
 def test_preemption_stops_inside_the_band_and_budget_zero_disables_it():
     sched = scheduler(preempt_after_samples=1)
-    streams = [running("l1", L, 10), running("l2", L, 20), running("l3", L, 30)]
+    streams = admitted(sched, [running("l1", L, 10), running("l2", L, 20), running("l3", L, 30)])
     assert len(sched.observe(pressure(0.95, 1.0, streams), now=1.0)) == 2
     assert sched.observe(pressure(0.90, 2.0, streams), now=2.0) == []  # still refusing, no longer preempting
     off = scheduler(preempt_after_samples=1, max_preemptions_per_tick=0)
+    admitted(off, streams)
     assert off.observe(pressure(0.99, 1.0, streams), now=1.0) == []
 
 
 def test_preempted_counter_equals_preemptions_returned():
     sched = scheduler(preempt_after_samples=1, max_preemptions_per_tick=3)
     returned = 0
-    for i in range(6):
-        streams = [running(f"s{i}-{j}", L, j) for j in range(5)]
+    batches = [admitted(sched, [running(f"s{i}-{j}", L, j) for j in range(5)]) for i in range(6)]
+    for i, streams in enumerate(batches):
         returned += len(sched.observe(pressure(0.99, float(i), streams), now=float(i)))
     total = sum(sample_value(sched.registry, "zerolayer_scheduler_preempted_total", reason="memory_pressure",
                              priority=p, code="RESOURCE_EXHAUSTED") for p in ("low", "normal", "high"))
@@ -130,3 +131,40 @@ def test_admitting_gauge_follows_the_gate():
     assert sample_value(sched.registry, "zerolayer_scheduler_admitting", priority="low") == 0
     assert sample_value(sched.registry, "zerolayer_scheduler_admitting", priority="high") == 1
     assert not sched.admitting(L) and not sched.admitting(N) and sched.admitting(H)
+
+
+def test_projection_refuses_a_burst_between_samples():
+    sched = scheduler(kv_capacity_tokens=1000)
+    sched.observe(pressure(0.80, 1.0), now=1.0)
+    verdicts = [sched.admit(ticket(L, prompt=10, max_tokens=20), now=1.1 + i / 100).reason or "ok" for i in range(5)]
+    assert verdicts == ["ok", "ok", "ok", "ok", "projected_memory_pressure"]  # 0.80 + 4 * 30 / 1000 = 0.92
+    assert sched.admit(ticket(N, prompt=10, max_tokens=20), now=1.2).admitted  # normal's mark is 0.97
+    assert sched.admit(ticket(H, prompt=500, max_tokens=500), now=1.2).admitted  # high is never refused
+    # a sample taken after the burst already contains it: the projection starts again from that sample
+    sched.observe(pressure(0.85, 1.3), now=1.3)
+    assert sched.admit(ticket(L, prompt=10, max_tokens=20), now=1.31).admitted
+
+
+def test_projection_keeps_admissions_newer_than_the_sample():
+    sched = scheduler(kv_capacity_tokens=100)
+    sched.observe(pressure(0.5, 1.0), now=1.0)
+    assert sched.admit(ticket(L, prompt=10, max_tokens=10), now=2.0).admitted    # +0.20
+    assert sched.admit(ticket(L, prompt=10, max_tokens=10), now=3.0).admitted    # +0.20 -> 0.90
+    sched.observe(pressure(0.71, 2.5), now=3.1)  # sampled before the second admission: 0.71 + 0.20
+    assert sched.admit(ticket(L, prompt=1, max_tokens=1), now=3.2).admitted     # 0.91 < 0.92, now 0.93
+    assert sched.admit(ticket(L, prompt=1, max_tokens=1), now=3.3).reason == "projected_memory_pressure"
+
+
+def test_projection_is_off_by_default():
+    sched = scheduler()
+    sched.observe(pressure(0.91, 1.0), now=1.0)
+    assert all(sched.admit(ticket(L, prompt=1000, max_tokens=1000), now=1.1).admitted for _ in range(10))
+
+
+def test_a_stream_settled_since_the_snapshot_is_not_preempted():
+    sched = scheduler(preempt_after_samples=1)
+    adm = sched.admit(ticket(L, key="gone"), now=0.0)
+    streams = admitted(sched, [running("stays", L, 10)]) + [running("gone", L, 999)]
+    sched.settle(adm.reservation, 5, now=0.5)  # ended while the server was sampling
+    assert [p.stream_key for p in sched.observe(pressure(0.99, 1.0, streams), now=1.0)] == ["stays"]
+    assert sched.expired([running("gone", L, 1, deadline=0.0)], now=2.0) == []
