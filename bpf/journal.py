@@ -24,8 +24,10 @@ READ_CHUNK = 4 << 20
 class JournalSource:
     kind = "journal"
 
-    def __init__(self, spool: str | os.PathLike[str], resume: Mapping[str, str] | None = None) -> None:
+    def __init__(self, spool: str | os.PathLike[str], resume: Mapping[str, str] | None = None,
+                 drain_interval_s: float = 0.05) -> None:
         self.spool = pathlib.Path(spool)
+        self.drain_interval_s = drain_interval_s
         try:
             self.spool.mkdir(parents=True, exist_ok=True)  # the auditor may start before any runtime
         except OSError as exc:
@@ -35,12 +37,10 @@ class JournalSource:
         self._pending: dict[str, int] = {}
 
     def poll(self, timeout_ms: int = 100) -> list[TokenEvent]:
-        """Events appended since the last call; sleeps up to ``timeout_ms`` when there are none."""
-        events = self._read()
-        if not events and timeout_ms > 0:
-            time.sleep(timeout_ms / 1000)
-            events = self._read()
-        return events
+        """Sleeps ``min(timeout_ms, drain interval)``, then returns the events appended since the last call."""
+        if timeout_ms > 0:
+            time.sleep(min(timeout_ms / 1000, self.drain_interval_s))
+        return self._read()
 
     def _read(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []

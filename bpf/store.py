@@ -142,22 +142,43 @@ class SqliteStore:
             ledger: dict[tuple[str, str, str], list[int]] = {}
             runtimes: dict[str, list[int]] = {}  # id -> [pid, hwm, events, first_ns, last_ns]
             written = duplicates = 0
+            hwm: dict[str, int] = {}
+            fresh: list[tuple[Any, ...]] = []  # above the runtime's high-water mark: new by construction
+            counted: list[TokenEvent] = []
+            seen: set[tuple[str, int]] = set()
             for e in events:
                 rid = f"{e.runtime_id:016x}"
                 if rid not in pruned:
-                    row = db.execute("SELECT pruned_seq FROM runtimes WHERE runtime_id=?", (rid,)).fetchone()
-                    pruned[rid] = row[0] if row else 0
+                    row = db.execute("SELECT pruned_seq, hwm FROM runtimes WHERE runtime_id=?", (rid,)).fetchone()
+                    pruned[rid], hwm[rid] = row if row else (0, 0)
                 if e.seq <= pruned[rid]:
                     duplicates += 1
                     continue
-                cur = db.execute(
+                values = (rid, e.seq, e.wall_ns, e.tenant, e.model, e.request_id, e.input_tokens, e.output_tokens,
+                          e.flags, e.pid, e.cgroup_id, e.source)
+                if e.seq > hwm[rid]:
+                    if (rid, e.seq) in seen:  # the same event twice in one batch
+                        duplicates += 1
+                        continue
+                    seen.add((rid, e.seq))
+                    fresh.append(values)
+                else:
+                    # At or below the mark: a replay, or a late event filling a gap. Ask the key.
                     # ON CONFLICT, not OR IGNORE: only a replayed key is skipped; other violations abort.
-                    "INSERT INTO token_events VALUES (?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (runtime_id, seq) DO NOTHING",
-                    (rid, e.seq, e.wall_ns, e.tenant, e.model, e.request_id, e.input_tokens, e.output_tokens,
-                     e.flags, e.pid, e.cgroup_id, e.source))
-                if cur.rowcount == 0:
-                    duplicates += 1
-                    continue
+                    cur = db.execute("INSERT INTO token_events VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
+                                     "ON CONFLICT (runtime_id, seq) DO NOTHING", values)
+                    if cur.rowcount == 0:
+                        duplicates += 1
+                        continue
+                counted.append(e)
+            if fresh:
+                before = db.total_changes
+                db.executemany("INSERT INTO token_events VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
+                               "ON CONFLICT (runtime_id, seq) DO NOTHING", fresh)
+                if db.total_changes - before != len(fresh):
+                    raise StoreError("events above the high-water mark were already stored: the store is corrupt")
+            for e in counted:
+                rid = f"{e.runtime_id:016x}"
                 written += 1
                 req = 1 if e.first else 0
                 u = usage.setdefault((minute_of(e.wall_ns), e.tenant, e.model), [0, 0, 0, 0])

@@ -8,7 +8,7 @@ import pytest
 
 from zerolayer.bpf.errors import StoreError
 from zerolayer.bpf.events import FLAG_FIRST, TokenEvent
-from zerolayer.bpf.store import NS, SqliteStore
+from zerolayer.bpf.store import NS, SqliteStore, WriteResult
 
 T0 = 1_800_000_000 * NS  # a minute boundary (1800000000 is divisible by 60)
 
@@ -50,6 +50,13 @@ def test_replayed_events_are_counted_once_across_a_restart(tmp_path):
     assert (again.written, again.duplicates) == (3, 3)
     assert store.db.execute("SELECT sum(output_tokens), sum(events) FROM usage_minute").fetchone() == (8, 8)
     assert store.db.execute("SELECT hwm, events FROM runtimes").fetchone() == (8, 8)
+
+
+def test_the_same_event_twice_in_one_batch_counts_once(tmp_path):
+    store = SqliteStore(tmp_path / "a.db")
+    assert store.write([ev(1), ev(2), ev(1), ev(2), ev(3)]) == WriteResult(3, 2)
+    assert store.write([ev(2), ev(4), ev(4)]) == WriteResult(1, 2)
+    assert store.db.execute("SELECT sum(output_tokens) FROM usage_minute").fetchone() == (4,)
 
 
 def test_state_is_committed_with_the_events_or_not_at_all(tmp_path):

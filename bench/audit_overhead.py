@@ -1,0 +1,203 @@
+"""Auditor overhead and capacity, against named comparisons.
+
+1. Runtime throughput with the auditor attached (BPF) against detached: output tokens per second
+   the clients receive from a real ``zerolayer runtime`` (synthetic engine, no pacing), in
+   alternating rounds (detached, attached, detached, ...) to spread the machine's noise. Target
+   ratio >= 0.99. Note: on a small machine the auditor's own CPU competes with the runtime and the
+   load generator; the ratio includes that.
+2. Events per second the auditor sustains: emitter processes fire the USDT probe as fast as they
+   can for a few seconds while a real auditor (CLI, SQLite store) writes; compared with the emit
+   rate. Loss at saturation is the kernel's counted ring-buffer drops, for two ring sizes.
+
+    python bench/audit_overhead.py [--rounds 3] [--seconds 6] [--workers 16]
+
+Needs root and bcc (bpf/setup-host.sh); writes bench/results/audit_overhead.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+HERE = pathlib.Path(__file__).parent
+KEY = "sk-bench-audit"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def zerolayer(workdir: pathlib.Path, name: str, *args: str) -> subprocess.Popen[bytes]:
+    log = open(workdir / f"{name}.log", "wb")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "zerolayer.cli", *args], stdout=log, stderr=subprocess.STDOUT)
+    finally:
+        log.close()
+
+
+def wait_for(pred, what: str, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), 0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def start_auditor(workdir: pathlib.Path, name: str, *args: str) -> subprocess.Popen[bytes]:
+    proc = zerolayer(workdir, name, "auditor", "--source", "bpf", *args)
+    wait_for(lambda: "bpf mode" in (workdir / f"{name}.log").read_text(errors="replace") or proc.poll() is not None,
+             "the auditor")
+    if proc.poll() is not None:
+        raise SystemExit((workdir / f"{name}.log").read_text())
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(60)
+
+
+async def drive(port: int, seconds: float, workers: int) -> int:
+    """Output tokens received by ``workers`` streaming clients in ``seconds``."""
+    received = 0
+    body = {"model": "synthetic", "max_tokens": 64, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    deadline = time.monotonic() + seconds
+
+    async def worker() -> None:
+        nonlocal received
+        async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
+            while time.monotonic() < deadline:
+                async with client.stream("POST", f"http://127.0.0.1:{port}/v1/messages", json=body,
+                                         headers={"x-api-key": KEY}) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and '"content_block_delta"' in line:
+                            received += 1
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return received
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (less sensitive to a noisy machine than throughput)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int) -> list[str]:
+    config = workdir / "runtime.json"
+    config.write_text(json.dumps({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "engine": {"kind": "synthetic", "models": ["synthetic"], "output_tokens": 64},
+        "tenants": [{"name": "bench", "keys": [{"sha256": hashlib.sha256(KEY.encode()).hexdigest()}]}]}))
+    port = free_port()
+    runtime = zerolayer(workdir, "runtime", "runtime", "--config", str(config), "--port", str(port),
+                        "--audit-spool", str(workdir / "spool"))
+    rates: dict[str, list[float]] = {"detached": [], "attached": []}
+    cpu: dict[str, list[float]] = {"detached": [], "attached": []}  # runtime CPU microseconds per token
+    auditor_cpu: list[float] = []
+    try:
+        wait_for(lambda: listening(port), "the runtime")
+        asyncio.run(drive(port, 1.0, workers))  # warm-up
+        for i in range(rounds):
+            for mode in ("detached", "attached"):
+                auditor = start_auditor(workdir, f"auditor-{i}", "--db", str(workdir / "tp.db")) \
+                    if mode == "attached" else None
+                before = cpu_seconds(runtime.pid)
+                audit_before = cpu_seconds(auditor.pid) if auditor is not None else 0.0
+                tokens = asyncio.run(drive(port, seconds, workers))
+                rates[mode].append(tokens / seconds)
+                cpu[mode].append((cpu_seconds(runtime.pid) - before) * 1e6 / max(tokens, 1))
+                if auditor is not None:
+                    auditor_cpu.append((cpu_seconds(auditor.pid) - audit_before) * 1e6 / max(tokens, 1))
+                    stop(auditor)
+                print(f"  round {i + 1} {mode:9} {tokens / seconds:10.0f} tokens/s "
+                      f"{cpu[mode][-1]:7.1f} runtime CPU us/token", flush=True)
+    finally:
+        stop(runtime)
+    det, att = (sorted(rates[m])[rounds // 2] for m in ("detached", "attached"))  # medians
+    cdet, catt = (sorted(cpu[m])[rounds // 2] for m in ("detached", "attached"))
+    acpu = sorted(auditor_cpu)[rounds // 2]
+    return [f"{'runtime (median of ' + str(rounds) + ' rounds)':40} {'tokens/s':>12} {'vs detached':>12} "
+            f"{'CPU us/tok':>11} {'vs detached':>12}",
+            f"{'auditor detached':40} {det:12.0f} {1.0:12.3f} {cdet:11.1f} {1.0:12.3f}",
+            f"{'auditor attached (BPF)':40} {att:12.0f} {att / det:12.3f} {catt:11.1f} {catt / cdet:12.3f}",
+            f"{'auditor process itself':40} {'':12} {'':12} {acpu:11.1f}"]
+
+
+EMITTER = """
+import sys, time
+from zerolayer.bpf.probes import TokenProbe
+probe, n, end = TokenProbe(), 0, time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    for _ in range(1000):
+        probe.emit("bench", "msg_bench", "synthetic", 0, 1)
+    n += 1000
+print(n)
+"""
+
+
+def capacity(workdir: pathlib.Path, seconds: float, emitters: int, ring_mb: float) -> str:
+    db = workdir / f"cap-{ring_mb}.db"
+    auditor = start_auditor(workdir, f"cap-{ring_mb}", "--db", str(db), "--ring-buffer-mb", str(ring_mb))
+    procs = [subprocess.Popen([sys.executable, "-c", EMITTER, str(seconds)], stdout=subprocess.PIPE)
+             for _ in range(emitters)]
+    emitted = sum(int(p.communicate()[0]) for p in procs)
+    stop(auditor)
+    con = sqlite3.connect(db)
+    written = con.execute("SELECT count(*) FROM token_events").fetchone()[0]
+    lost = int(con.execute("SELECT value FROM auditor_state WHERE key='kernel_lost_total'").fetchone()[0])
+    con.close()
+    return (f"{f'ring {ring_mb:g} MiB, {emitters} emitters':40} {emitted / seconds:12.0f} {written / seconds:12.0f} "
+            f"{lost:10d} {lost / emitted:9.2%} {emitted - written - lost:8d}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--emitters", type=int, default=2)
+    args = parser.parse_args()
+    from zerolayer.bpf.loader import check_kernel
+
+    check_kernel()
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="audit-bench-") as tmp:
+        workdir = pathlib.Path(tmp)
+        lines += throughput(workdir, args.rounds, args.seconds, args.workers)
+        lines.append("")
+        lines.append(f"{'auditor capacity (USDT flood)':40} {'emitted/s':>12} {'stored/s':>12} {'lost':>10} "
+                     f"{'lost %':>9} {'other':>8}")
+        for ring in (16.0, 0.25):
+            lines.append(capacity(workdir, args.seconds, args.emitters, ring))
+    text = "\n".join(lines)
+    print(text)
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "audit_overhead.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
