@@ -82,7 +82,8 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         settings.watching.server_timeout = 300
         # Probe handlers are not retried for long: /healthz must answer, not hang.
         settings.execution.max_workers = 4
-        memo.reconciler = Reconciler(Kube(Credentials.load(kubeconfig), on_request=metrics.on_request),
+        memo.reconciler = Reconciler(Kube(Credentials.load(kubeconfig), on_request=metrics.on_request,
+                                          crd_cache_seconds=config.resync_seconds),
                                      config, observe=metrics.observe, selector=selector)
         memo.ready_seen = {}
 

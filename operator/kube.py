@@ -167,12 +167,13 @@ class Kube:
     """
 
     def __init__(self, credentials: Credentials, *, on_request: Callable[[str, str, int], None] | None = None,
-                 timeout: float = 30.0, identity: str | None = None):
+                 timeout: float = 30.0, identity: str | None = None, crd_cache_seconds: float = 30.0):
         self._credentials = credentials
         self._on_request = on_request or (lambda verb, resource, code: None)
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._crd_cache: dict[str, tuple[float, bool]] = {}
+        self._crd_cache_seconds = crd_cache_seconds
         self.identity = identity or socket.gethostname()
 
     async def close(self) -> None:
@@ -287,10 +288,11 @@ class Kube:
         await self.request("PATCH", path_of(api_version, kind, namespace, name, "status"),
                            body={"status": dict(status)}, content_type=MERGE_PATCH)
 
-    async def crd_exists(self, name: str, *, max_age: float = 60.0) -> bool:
-        """Whether a CustomResourceDefinition is installed (cached for ``max_age`` seconds)."""
+    async def crd_exists(self, name: str) -> bool:
+        """Whether a CustomResourceDefinition is installed (cached for ``crd_cache_seconds``, so
+        1,000 TenantQuotas do not mean 1,000 lookups; installing Cilium is noticed within that)."""
         cached = self._crd_cache.get(name)
-        if cached and time.monotonic() - cached[0] < max_age:
+        if cached and time.monotonic() - cached[0] < self._crd_cache_seconds:
             return cached[1]
         exists = await self.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", name) is not None
         self._crd_cache[name] = (time.monotonic(), exists)
