@@ -171,6 +171,8 @@ class Application:
             self.metrics.limit_hits.labels("max_body_bytes").inc()
             raise RequestRefused(ErrorCode.INVALID_REQUEST, f"body over {self.limits.max_body_bytes} bytes",
                                  reason="body_too_large", http_status=413)
+        if not terms.priority_given:
+            terms = dataclasses.replace(terms, priority=default_priority(tenant.policy.allowed_priorities))
         ticket = Ticket(
             stream_key=key,
             tenant=tenant.name,
@@ -450,6 +452,14 @@ class Application:
 
     async def _plain(self, channel: Channel, status: int, body: bytes) -> None:
         await self._respond(channel, status, [("content-type", "text/plain")], body, "health")
+
+
+def default_priority(allowed: frozenset[Priority]) -> Priority:
+    """A request naming no priority runs at normal, or at the tenant's nearest allowed class."""
+    for candidate in (Priority.NORMAL, Priority.LOW, Priority.HIGH):
+        if candidate in allowed:
+            return candidate
+    return Priority.NORMAL
 
 
 def error_response(api: str, refused: RequestRefused) -> tuple[int, list[tuple[str, str]], bytes]:
