@@ -138,12 +138,20 @@ def _merge_resources(defaults: Mapping[str, Any], override: Mapping[str, Any] | 
     return {k: {rk: str(rv) for rk, rv in v.items()} for k, v in merged.items() if v}
 
 
+AUDIT_SPOOL = "/run/zerolayer/audit"  # shared by server (token counters, journal) and auditor
+AUDIT_DB = "/var/lib/zerolayer/audit/audit.db"
+AUDIT_SOURCES = {"auto": "auto", "bpf": "bpf", "inprocess": "journal"}  # spec.audit.mode -> auditor --source
+
+
 def _downward_env(inference_node: str) -> list[dict]:
+    """Identity of the pod: ``ZEROLAYER_NODE_NAME`` is the InferenceNode (what the runtime's
+    gossip and defragd read), ``NODE_NAME`` the Kubernetes Node, ``POD_IP`` the address the
+    runtime advertises in the GPU map."""
     def field(path: str) -> dict:
         return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
 
     return [
-        {"name": "ZEROLAYER_INFERENCE_NODE", "value": inference_node},
+        {"name": "ZEROLAYER_NODE_NAME", "value": inference_node},
         {"name": "NODE_NAME", "valueFrom": field("spec.nodeName")},
         {"name": "POD_NAME", "valueFrom": field("metadata.name")},
         {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
@@ -221,7 +229,8 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
             "name": "server",
             "image": image,
             "imagePullPolicy": pull,
-            "args": ["runtime", f"--inference-node={name}", f"--port={port}"],
+            "args": ["runtime", f"--node-name={name}", f"--port={port}", f"--audit-spool={AUDIT_SPOOL}"]
+            + (["--audit-journal"] if audit.get("mode") == "inprocess" else []),
             "env": env,
             "ports": [{"name": SERVING_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
             # Model loading can take minutes; the startup probe holds liveness off until then.
@@ -245,7 +254,8 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
                 "name": "defragd",
                 "image": image,
                 "imagePullPolicy": pull,
-                "args": ["defragd", f"--inference-node={name}"],
+                "args": ["defragd", f"--node-name={name}"]
+                + (["--dry-run"] if defrag.get("dryRun") else []),
                 # NVML only (no compute); same UID as the server, so with the shared process
                 # namespace it can signal the pod's own processes and nothing else.
                 "env": env + [
@@ -270,7 +280,9 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
                 "name": "auditor",
                 "image": image,
                 "imagePullPolicy": pull,
-                "args": ["auditor", f"--inference-node={name}", f"--mode={audit.get('mode', 'auto')}"],
+                "args": ["auditor", f"--source={AUDIT_SOURCES[audit.get('mode', 'auto')]}",
+                         f"--spool={AUDIT_SPOOL}", f"--db={AUDIT_DB}", "--tenant-quotas"]
+                + ([f"--clickhouse={audit['clickhouseUrl']}"] if audit.get("store") == "clickhouse" else []),
                 "env": env,
                 "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
                 "securityContext": {

@@ -53,7 +53,21 @@ def test_server_is_non_root_read_only_with_gpu_probes_and_drain():
     assert ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 70
     env = {e["name"]: e for e in server["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert env["ZEROLAYER_INFERENCE_NODE"]["value"] == "gpu-node-0"
+    assert env["ZEROLAYER_NODE_NAME"]["value"] == "gpu-node-0"  # the InferenceNode, as the gossip hook reads it
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert server["args"][:2] == ["runtime", "--node-name=gpu-node-0"] and "--port=9443" in server["args"]
+
+
+def test_container_commands_follow_audit_and_defrag_settings():
+    ds = m.build_daemonset(inode(audit={"mode": "inprocess", "store": "clickhouse", "clickhouseUrl": "http://ch:8123/db"},
+                                 defrag={"dryRun": True}), CONFIG)
+    c = containers(ds)
+    assert "--audit-journal" in c["server"]["args"]
+    assert "--source=journal" in c["auditor"]["args"] and "--clickhouse=http://ch:8123/db" in c["auditor"]["args"]
+    assert "--spool=/run/zerolayer/audit" in c["auditor"]["args"]
+    assert c["defragd"]["args"] == ["defragd", "--node-name=gpu-node-0", "--dry-run"]
+    default = containers(m.build_daemonset(inode(), CONFIG))
+    assert "--source=auto" in default["auditor"]["args"] and "--audit-journal" not in default["server"]["args"]
 
 
 def test_images_and_resources_come_from_spec_over_chart_defaults():
