@@ -150,6 +150,10 @@ class H2Client:
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.goaway = event
             self.goaway_seen.set()
+            if event.error_code == 0:
+                # h2 treats any GOAWAY as the end of the connection, while RFC 9113 §6.8 lets streams
+                # up to last_stream_id finish (curl/nghttp2 and Go do). Keep receiving, as they would.
+                self.conn.state_machine.state = h2.connection.ConnectionState.CLIENT_OPEN
 
     def read_more(self, sid: int, amount: int) -> None:
         """Open the windows by ``amount`` (a slow reader taking a sip)."""

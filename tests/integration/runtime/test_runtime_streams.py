@@ -1,0 +1,233 @@
+"""Stream lifecycles over real sockets: preemption, deadlines, pressure, drain, resets, flow control, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import os
+import pathlib
+import signal
+import ssl
+import subprocess
+import sys
+
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+from runtime_helpers import KEY, H2Client, chat_body, sse_events, start_runtime
+
+from zerolayer.contract import H2_CANCEL, H2_ENHANCE_YOUR_CALM, H2_NO_ERROR, ErrorCode
+from zerolayer.runtime.engine.synthetic import SyntheticEngine
+from zerolayer.runtime.gpu.simulated import SimulatedGpuSource
+from zerolayer.runtime.limits import Limits
+from zerolayer.runtime.server import tls_context
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="session")]
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def test_preempt_mid_stream_sends_sse_error_then_rst_and_aborts_the_engine(slow_runtime):
+    engine = slow_runtime.engine
+    async with H2Client(slow_runtime.port) as client:
+        sid = await client.request("/v1/messages", chat_body(), {"x-api-key": KEY})
+        result = client.streams[sid]
+        await asyncio.wait_for(result.got_data.wait(), 5)
+        await wait_for(lambda: b"content_block_delta" in result.body)
+        (key,) = slow_runtime.app.streams
+        assert slow_runtime.preempt(key, ErrorCode.RESOURCE_EXHAUSTED, "test")
+        await asyncio.wait_for(result.done.wait(), 5)
+    assert result.status == 200 and result.reset_code == H2_CANCEL and not result.ended
+    name, data = sse_events(bytes(result.body))[-1]
+    assert name == "error" and data["error"]["type"] == "overloaded_error"
+    assert data["error"]["code"] == "RESOURCE_EXHAUSTED"
+    await wait_for(lambda: engine.stats().running == 0)  # engine work aborted
+    assert slow_runtime.app.streams == {} and slow_runtime.scheduler.open_streams() == 0
+    assert slow_runtime.metrics.value("zerolayer_preemptions_total", code="RESOURCE_EXHAUSTED", reason="test") == 1
+
+
+async def test_openai_stream_preempted_gets_an_error_data_line(slow_runtime):
+    async with H2Client(slow_runtime.port) as client:
+        body = b'{"model":"synthetic","stream":true,"messages":[{"role":"user","content":"x"}]}'
+        sid = await client.request("/v1/chat/completions", body, {"authorization": f"Bearer {KEY}"})
+        result = client.streams[sid]
+        await asyncio.wait_for(result.got_data.wait(), 5)
+        (key,) = slow_runtime.app.streams
+        slow_runtime.preempt(key, ErrorCode.GPU_OOM, "test")
+        await asyncio.wait_for(result.done.wait(), 5)
+    _, data = sse_events(bytes(result.body))[-1]
+    assert data["error"]["code"] == "GPU_OOM" and result.reset_code == H2_CANCEL
+
+
+async def test_deadline_stops_a_running_stream(slow_runtime):
+    async with H2Client(slow_runtime.port) as client:
+        sid = await client.request("/v1/messages", chat_body(),
+                                   {"x-api-key": KEY, "x-anthropic-deadline-nanos": "300000000"})  # 300 ms
+        result = client.streams[sid]
+        await asyncio.wait_for(result.done.wait(), 10)
+    name, data = sse_events(bytes(result.body))[-1]
+    assert name == "error" and data["error"]["code"] == "DEADLINE_EXCEEDED"
+    assert result.reset_code == H2_CANCEL
+
+
+async def test_memory_pressure_refuses_low_and_preempts_running_low_streams():
+    gpu = SimulatedGpuSource.constant(0.5)
+    engine = SyntheticEngine(output_tokens=500, tokens_per_second=100)
+    async with start_runtime(engine=engine, gpu_source=gpu, sample_interval_s=0.05) as server, \
+            H2Client(server.port) as client:
+        running = await client.request("/v1/messages", chat_body(max_tokens=500),
+                                       {"x-api-key": KEY, "x-zerolayer-priority": "low"})
+        high = await client.request("/v1/messages", chat_body(max_tokens=500),
+                                    {"x-api-key": KEY, "x-zerolayer-priority": "high"})
+        await asyncio.wait_for(client.streams[running].got_data.wait(), 5)
+        gpu.set_memory(0.99)
+        await asyncio.wait_for(client.streams[running].done.wait(), 5)
+        refused = await client.request("/v1/messages", chat_body(), {"x-api-key": KEY, "x-zerolayer-priority": "low"})
+        await asyncio.wait_for(client.streams[refused].done.wait(), 5)
+        assert not client.streams[high].done.is_set()  # high priority is never shed
+    low_result = client.streams[running]
+    assert sse_events(bytes(low_result.body))[-1][1]["error"]["code"] == "RESOURCE_EXHAUSTED"
+    assert low_result.reset_code == H2_CANCEL
+    answer = client.streams[refused]
+    assert answer.status == 529 and answer.headers["x-zerolayer-error"] == "RESOURCE_EXHAUSTED"
+    assert int(answer.headers["retry-after"]) >= 1
+
+
+async def test_graceful_drain_finishes_streams_and_refuses_new_ones(slow_runtime):
+    async with H2Client(slow_runtime.port) as client:
+        first = await client.request("/v1/messages", chat_body(max_tokens=50), {"x-api-key": KEY})
+        await asyncio.wait_for(client.streams[first].got_data.wait(), 5)
+        stopping = asyncio.get_running_loop().create_task(slow_runtime.stop(drain_timeout_s=20))
+        await asyncio.wait_for(client.goaway_seen.wait(), 5)
+        assert client.goaway.error_code == H2_NO_ERROR and client.goaway.last_stream_id == first
+        await asyncio.wait_for(client.streams[first].done.wait(), 10)
+        await asyncio.wait_for(stopping, 10)
+    result = client.streams[first]
+    assert result.ended and result.reset_code is None
+    assert sse_events(bytes(result.body))[-1][0] == "message_stop"
+
+
+async def test_rapid_reset_never_starts_engine_work_and_gets_goaway():
+    limits = Limits(rapid_reset_burst=200, rapid_reset_per_second=1)
+    async with start_runtime(limits=limits) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        head = [(":method", "POST"), (":path", "/v1/messages"), (":scheme", "http"), (":authority", "t"),
+                ("x-api-key", KEY)]
+        for i in range(300):
+            sid = 1 + 2 * i
+            conn.send_headers(sid, head)  # admitted at HEADERS, body never completes
+            conn.reset_stream(sid, error_code=H2_CANCEL)
+        writer.write(conn.data_to_send())
+        await writer.drain()
+        goaway = None
+        while goaway is None:
+            data = await asyncio.wait_for(reader.read(65536), 10)
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ConnectionTerminated):
+                    goaway = event
+        writer.close()
+        await writer.wait_closed()
+        assert goaway is not None and goaway.error_code == H2_ENHANCE_YOUR_CALM
+        assert server.app.engine_requests_started == 0
+        await wait_for(lambda: not server.app.streams)
+        assert server.scheduler.open_streams() == 0  # every HEADERS-time reservation was settled
+        assert server.metrics.value("zerolayer_h2_limit_hits_total", limit="rapid_reset_burst") == 1
+
+
+async def test_slow_reader_pauses_generation_with_bounded_buffers():
+    engine = SyntheticEngine(output_tokens=5000)
+    limits = Limits(stream_buffer_low=4096)
+    async with start_runtime(engine=engine, limits=limits) as server, \
+            H2Client(server.port, window=8192, auto_window=False) as client:
+        sid = await client.request("/v1/messages", chat_body(max_tokens=5000), {"x-api-key": KEY})
+        await asyncio.wait_for(client.streams[sid].got_data.wait(), 5)
+        (conn,) = server.connections
+        await asyncio.sleep(0.3)  # the producer had time to run ahead if it were unbounded
+        stream = next(iter(server.app.streams.values()))
+        produced_while_stalled = stream.output_tokens
+        backlog = conn.core.backlog(sid)
+        assert backlog <= limits.stream_buffer_low + 1024  # queued at most one event past the low mark
+        assert produced_while_stalled < 200  # generation waits for the reader
+        while not client.streams[sid].done.is_set():  # now read everything, a window at a time
+            client.read_more(sid, 1 << 20)
+            await client.flush()
+            await asyncio.sleep(0.01)
+    assert client.streams[sid].ended
+    assert sse_events(bytes(client.streams[sid].body))[-2][1]["usage"]["output_tokens"] == 5000
+
+
+def _self_signed(tmp: pathlib.Path) -> tuple[str, str]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+async def test_tls_alpn_h2_and_http11(tmp_path):
+    import httpx
+
+    cert, key = _self_signed(tmp_path)
+    async with start_runtime(ssl_context=tls_context(cert, key)) as server:
+        verify = ssl.create_default_context(cafile=cert)
+        async with httpx.AsyncClient(http2=True, verify=verify) as h2_client, \
+                httpx.AsyncClient(verify=verify) as h1_client:
+            for client, version in ((h2_client, "HTTP/2"), (h1_client, "HTTP/1.1")):
+                response = await client.post(f"{server.base_url}/v1/messages", content=chat_body(stream=False),
+                                             headers={"x-api-key": KEY})
+                assert response.status_code == 200 and response.http_version == version
+                assert response.json()["usage"]["output_tokens"] == 16
+
+
+async def test_cli_serves_and_drains_on_sigterm(tmp_path):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "zerolayer.cli", "runtime", "--config", str(REPO / "examples" / "standalone.yaml"),
+        "--port", "0", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
+        env={**os.environ, "ZEROLAYER_DEMO_KEY": "sk-from-env"})
+    try:
+        url = None
+        while url is None:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            assert line, "runtime exited before serving"
+            if "serving on " in line:
+                url = line.split("serving on ")[1].split()[0]
+        import httpx
+
+        async with httpx.AsyncClient() as client:
+            for key in ("sk-zerolayer-demo", "sk-from-env"):
+                response = await client.post(f"{url}/v1/messages", content=chat_body(stream=False, max_tokens=2),
+                                             headers={"x-api-key": key})
+                assert response.status_code == 200, response.text
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
