@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Sequence
 
 from zerolayer.contract import H2_CANCEL
@@ -25,6 +26,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
+
+
+_HTTP1_REQUEST_LINE = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/1\.[01]\r?\n")
+_MAX_SNIFF = 8192
+
+
+def sniff_protocol(first: bytes) -> str | None:
+    """``"2"``, ``"1.1"`` or None (need more bytes) from a cleartext connection's first bytes.
+
+    HTTP/2 with prior knowledge starts with the preface. Anything else is HTTP/1.1 only if its
+    first line is a request line; other garbage goes to the HTTP/2 core, which rejects the
+    preface and closes the connection as RFC 9113 §3.4 asks (instead of an HTTP/1.1 400).
+    """
+    if first.startswith(PREFACE):
+        return "2"
+    if PREFACE.startswith(first):
+        return None
+    if _HTTP1_REQUEST_LINE.match(first):
+        return "1.1"
+    if b"\n" in first or len(first) >= _MAX_SNIFF:
+        return "2"
+    return None
 
 
 class StreamGone(ConnectionError):
@@ -97,9 +120,10 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.core is None:
             self._sniff += data
-            if PREFACE.startswith(self._sniff[: len(PREFACE)]) and len(self._sniff) < len(PREFACE):
-                return  # could still be the HTTP/2 preface: wait for more
-            self._choose("2" if self._sniff.startswith(PREFACE) else "1.1")
+            version = sniff_protocol(self._sniff)
+            if version is None:
+                return  # not enough bytes to tell yet
+            self._choose(version)
             data, self._sniff = self._sniff, b""
         self._handle(self.core.receive(data))
         self._writable.set()  # WINDOW_UPDATEs may have opened windows

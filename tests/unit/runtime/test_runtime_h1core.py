@@ -83,3 +83,14 @@ def test_garbage_gets_400_and_closes():
     events = core.receive(b"\x16\x03\x01 not http\r\n\r\n")
     assert any(isinstance(e, ConnectionEnded) for e in events)
     assert b"400" in core.data_to_send()[:20]
+
+
+def test_protocol_sniffing():
+    from zerolayer.runtime.transport import sniff_protocol
+
+    assert sniff_protocol(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") == "2"
+    assert sniff_protocol(b"PRI * HT") is None  # could still be the preface
+    assert sniff_protocol(b"POST /v1/messages HTTP/1.1\r\n") == "1.1"
+    assert sniff_protocol(b"GET / HTTP/1.0\n") == "1.1"
+    assert sniff_protocol(b"POST /v1/mess") is None
+    assert sniff_protocol(b"INVALID CONNECTION PREFACE\r\n\r\n") == "2"  # h2 core closes it
