@@ -18,11 +18,21 @@ from .status import GossipSettings, GossipState, Load, build_status, change_reas
 __all__ = [
     "GossipError", "GossipPublisher", "GossipSettings", "GossipState", "KubeApiError", "Load", "PatchRecord",
     "PrintSink", "RecordingSource", "StatusSink", "attach_to_server", "build_status", "change_reason",
+    "recording_source",
 ]
 
 
-def attach_to_server(server: Any, name: str, sink: StatusSink, *, endpoint: str | None = None) -> GossipPublisher:
-    """Build (not start) a publisher for a ``RuntimeServer`` before ``server.start()``.
+def recording_source(server: Any) -> RecordingSource | None:
+    """``server.gpu_source`` wrapped (once) in a :class:`RecordingSource`; ``None`` without a GPU source."""
+    if server.gpu_source is None or isinstance(server.gpu_source, RecordingSource):
+        return server.gpu_source
+    server.gpu_source = RecordingSource(server.gpu_source)
+    return server.gpu_source
+
+
+def attach_to_server(server: Any, name: str, sink: StatusSink, *, endpoint: str | None = None,
+                     on_spec: Any = None) -> GossipPublisher:
+    """Build (not start) a publisher for a ``RuntimeServer`` (before or after ``server.start()``).
 
     Wraps ``server.gpu_source`` in a :class:`RecordingSource` so the publisher sees the samples
     the micro-scheduler takes and is woken after each; load comes from ``server.engine.stats()``
@@ -33,9 +43,7 @@ def attach_to_server(server: Any, name: str, sink: StatusSink, *, endpoint: str 
     from zerolayer.runtime.defrag.fragmentation import allocator_fragmentation
 
     publisher: GossipPublisher
-    recording = RecordingSource(server.gpu_source) if server.gpu_source is not None else None
-    if recording is not None:
-        server.gpu_source = recording
+    recording = recording_source(server)
 
     def readings():  # type: ignore[no-untyped-def]
         return recording.latest if recording is not None else ()
@@ -47,7 +55,7 @@ def attach_to_server(server: Any, name: str, sink: StatusSink, *, endpoint: str 
     publisher = GossipPublisher(
         name, sink, readings=readings, load=load, endpoint=endpoint,
         fragmentation=allocator_fragmentation, sample_seq=(lambda: recording.seq) if recording else None,
-        tick_s=server.sample_interval_s,
+        tick_s=server.sample_interval_s, on_spec=on_spec,
     )
     if recording is not None:
         recording.on_sample = publisher.notify

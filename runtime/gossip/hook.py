@@ -20,11 +20,13 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 from zerolayer.gpumap import FleetMap, GpuMapError, GpuMapWatcher
 
-from . import attach_to_server
+from . import attach_to_server, recording_source
+from .energy import EnergyMeter, StreamUse
 from .errors import KubeApiError
 from .kube import NodeApi
 from .publisher import GossipPublisher
@@ -61,11 +63,69 @@ def advertised_endpoint(base_url: str, host: str, port: int) -> str:
     return f"{scheme}://[{address}]:{port}" if ":" in address else f"{scheme}://{address}:{port}"
 
 
+def stream_uses(server: Any) -> list[StreamUse]:
+    """The server's open streams as the energy meter sees them (read from the sampling thread:
+    ``list()`` of the dict's values is one step under the GIL, and the fields are plain ints)."""
+    out = []
+    for stream in list(server.app.streams.values()):
+        if stream.started and not stream.settled:
+            out.append(StreamUse(stream.key, stream.ticket.tenant, stream.ticket.model,
+                                 stream.prompt_tokens + stream.output_tokens))
+    return out
+
+
+def _adopt_price(meter: EnergyMeter | None, spec: Any) -> None:
+    price = ((spec or {}).get("audit") or {}).get("electricityPricePerKWh")
+    if meter is not None and price is not None:
+        try:
+            meter.price_per_kwh = float(price)
+        except (TypeError, ValueError):
+            log.warning("spec.audit.electricityPricePerKWh %r is not a number; keeping %s", price,
+                        meter.price_per_kwh)
+
+
+def _both(first: Any, second: Any) -> Any:
+    if second is None:
+        return first
+
+    def call() -> None:
+        first()
+        second()
+    return call
+
+
+def attach_energy_meter(server: Any) -> EnergyMeter | None:
+    """Meter energy per tenant and model on every GPU sample; add its metrics to ``/metrics``.
+
+    ``None`` without a GPU source. The metrics are appended to the server's existing extra
+    metrics (``server.app.render_extra_metrics``), which stays the server's to define.
+    """
+    from prometheus_client import generate_latest
+
+    recording = recording_source(server)
+    if recording is None:
+        return None
+    meter = EnergyMeter(price_per_kwh=float(os.environ.get("ZEROLAYER_ELECTRICITY_PRICE_PER_KWH", "0.15")))
+
+    def observe() -> None:
+        try:
+            meter.observe(recording.latest or (), time.monotonic(), stream_uses(server))
+        except Exception:  # metering must never break sampling (the scheduler depends on it)
+            log.exception("energy metering failed")
+
+    recording.on_sample = _both(observe, recording.on_sample) if recording.on_sample else observe
+    previous = server.app.render_extra_metrics
+    server.app.render_extra_metrics = lambda: previous() + generate_latest(meter.registry)
+    return meter
+
+
 class NodeAgent:
     """The runtime's gossip publisher, fleet watcher and SIGUSR1 handler; see the module docstring."""
 
     def __init__(self, *, release: Any = None, publisher: GossipPublisher | None = None,
-                 watcher: GpuMapWatcher | None = None, api: NodeApi | None = None) -> None:
+                 watcher: GpuMapWatcher | None = None, api: NodeApi | None = None,
+                 meter: EnergyMeter | None = None) -> None:
+        self.meter = meter
         self.release = release
         self.publisher = publisher
         self.watcher = watcher
@@ -97,9 +157,10 @@ async def start_node_agent(args: argparse.Namespace, server: Any) -> NodeAgent:
 
     loop = asyncio.get_running_loop()
     release = ReleaseOnSignal(loop, server.engine).install()
+    meter = attach_energy_meter(server)
     name = getattr(args, "node_name", None)
     if not name:
-        return NodeAgent(release=release)
+        return NodeAgent(release=release, meter=meter)
     kubeconfig = getattr(args, "kubeconfig", None)
     try:
         api = await asyncio.to_thread(NodeApi, kubeconfig=kubeconfig)
@@ -107,7 +168,12 @@ async def start_node_agent(args: argparse.Namespace, server: Any) -> NodeAgent:
         release.remove()
         await server.stop()
         raise ConfigError(f"--node-name {name}: {exc}") from exc
-    publisher = attach_to_server(server, name, api, endpoint=getattr(args, "advertise_endpoint", None))
+    recording = recording_source(server)
+    metering = recording.on_sample if recording is not None else None  # set by attach_energy_meter
+    publisher = attach_to_server(server, name, api, endpoint=getattr(args, "advertise_endpoint", None),
+                                 on_spec=lambda spec: _adopt_price(meter, spec))
+    if recording is not None:  # attach_to_server wired notify alone: the meter keeps its turn first
+        recording.on_sample = _both(metering, publisher.notify) if metering else publisher.notify
     if not publisher.state.endpoint:
         publisher.state.endpoint = advertised_endpoint(server.base_url, server.host, server.port)
     publisher.start()
@@ -117,4 +183,4 @@ async def start_node_agent(args: argparse.Namespace, server: Any) -> NodeAgent:
         log.warning("no fleet map (alternatives disabled): %s", exc)
         watcher = None
     log.info("gossip: publishing to InferenceNode %s as %s", name, publisher.state.endpoint)
-    return NodeAgent(release=release, publisher=publisher, watcher=watcher, api=api)
+    return NodeAgent(release=release, publisher=publisher, watcher=watcher, api=api, meter=meter)

@@ -97,13 +97,15 @@ class GossipPublisher:
     ``readings()`` returns the latest readings (``None`` until the first sample: nothing is
     published before it); ``load()`` the engine's load; ``fragmentation()`` (optional) GPU index
     -> the runtime's fragmentation; ``sample_seq()`` (optional) the sample counter, recorded with
-    each patch so tests can tell which sample a publication carried.
+    each patch so tests can tell which sample a publication carried; ``on_spec(spec)`` (optional)
+    sees the InferenceNode's spec whenever it is read (at start and in every patch response).
     """
 
     def __init__(self, name: str, sink: StatusSink, *, readings: Callable[[], Sequence[GpuReading] | None],
                  load: Callable[[], Load], endpoint: str | None = None,
                  fragmentation: Callable[[], Mapping[int, float]] | None = None,
                  sample_seq: Callable[[], int] | None = None, settings: GossipSettings | None = None,
+                 on_spec: Callable[[Mapping[str, Any]], None] | None = None,
                  tick_s: float = 0.2, history: int = 1000,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.name = name
@@ -113,6 +115,7 @@ class GossipPublisher:
         self._fragmentation = fragmentation
         self._sample_seq = sample_seq
         self._fixed_settings = settings is not None
+        self._on_spec = on_spec
         self.state = GossipState(settings, endpoint=endpoint)
         self.tick_s = tick_s
         self._clock = clock
@@ -168,6 +171,8 @@ class GossipPublisher:
         self._adopt(obj)
 
     def _adopt(self, obj: Mapping[str, Any]) -> None:
+        if self._on_spec is not None and isinstance(obj.get("spec"), Mapping):
+            self._on_spec(obj["spec"])
         if self._fixed_settings:
             return
         try:
