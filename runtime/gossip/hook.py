@@ -5,6 +5,8 @@
 returns a :class:`NodeAgent` that
 
 - answers SIGUSR1 by releasing memory (:mod:`zerolayer.runtime.defrag.release`), always;
+- meters energy and cost per tenant and model on every GPU sample (:mod:`.energy`) and adds
+  ``zerolayer_energy_*`` to ``/metrics``, whenever the server has a GPU source;
 - with ``--node-name``: publishes the GPU map into that InferenceNode's status and watches
   every InferenceNode, so :meth:`NodeAgent.fleet` gives the map for alternatives
   (:func:`zerolayer.gpumap.alternatives_header`) and the map endpoint
