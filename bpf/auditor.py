@@ -78,7 +78,7 @@ class Auditor:
     def __init__(self, store: SqliteStore, source: EventSource, *, spool: str | pathlib.Path | None = None,
                  settings: AuditorSettings | None = None, metrics: AuditorMetrics | None = None,
                  energy_source: Any = None, quota_writer: Any = None, prices: PriceBook | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pids_from_spool: bool = False) -> None:
         self.store = store
         self.source = source
         self.spool = pathlib.Path(spool) if spool is not None else None
@@ -89,6 +89,10 @@ class Auditor:
         self.prices = prices
         self.clock = clock
         self.stopping = threading.Event()
+        self.pids_from_spool = pids_from_spool and hasattr(source, "add_pid") and self.spool is not None
+        self._known_pids: set[int] = set()
+        if self.pids_from_spool:
+            self.discover_runtimes()
         self._buffer: list[TokenEvent] = []
         self._lost_base = int(store.state("kernel_lost_total", "0") or 0)
         self._snapshot_seen: dict[str, tuple[int, bool]] = {}
@@ -111,6 +115,8 @@ class Auditor:
                 self._buffer.extend(self.source.poll(100))
                 now = self.clock()
                 if now >= next_flush or len(self._buffer) >= s.max_batch:
+                    if self.pids_from_spool:
+                        self.discover_runtimes()
                     self.flush()
                     next_flush = now + s.flush_interval_s
                 if now >= next_reconcile:
@@ -146,6 +152,19 @@ class Auditor:
         self.metrics.events.inc(result.written)
         self.metrics.duplicates.inc(result.duplicates)
         self.metrics.kernel_lost.set(self._lost_base + lost)
+
+    def discover_runtimes(self) -> None:
+        """Meter every runtime that announced itself in the spool (its probe writes counters at start)."""
+        assert self.spool is not None
+        for path in self.spool.glob("*.counters.json"):
+            try:
+                pid = int(json.loads(path.read_text())["pid"])
+            except (OSError, ValueError, KeyError):
+                continue  # being replaced right now: next round
+            if pid not in self._known_pids:
+                self._known_pids.add(pid)
+                self.source.add_pid(pid)  # type: ignore[attr-defined]
+                log.info("metering runtime pid %d (%s)", pid, path.name.split(".")[0])
 
     def drain(self) -> None:
         """Poll until the source is empty, then write: everything submitted so far is in the store."""
@@ -249,13 +268,14 @@ class Auditor:
 
 
 def open_source(kind: str, *, spool: str | None, store: SqliteStore, ring_buffer_bytes: int,
-                pids: Sequence[int] = (), cgroups: Sequence[str] = ()) -> EventSource:
+                pids: Sequence[int] = (), cgroups: Sequence[str] = (), pids_from_spool: bool = False) -> EventSource:
     """``kind`` is ``bpf``, ``journal`` or ``auto`` (the kernel path if it can run here, else journals)."""
     if kind in ("bpf", "auto"):
         from zerolayer.bpf.loader import BpfTokenSource
 
         try:
-            return BpfTokenSource(ring_buffer_bytes=ring_buffer_bytes, pids=pids, cgroups=cgroups)
+            return BpfTokenSource(ring_buffer_bytes=ring_buffer_bytes, pids=pids, cgroups=cgroups,
+                                  filter_pids=pids_from_spool)
         except BpfUnavailable as exc:
             if kind == "bpf":
                 raise

@@ -37,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--spool", help="the runtimes' --audit-spool directory (counters snapshots, journals)")
     p.add_argument("--pid", type=int, action="append", default=[], help="meter only this runtime process (repeat)")
     p.add_argument("--cgroup", action="append", default=[], help="meter only processes in this cgroup v2 directory")
+    p.add_argument("--pids-from-spool", action="store_true",
+                   help="meter only runtimes that announce themselves in --spool (their pids, found as they start)")
     p.add_argument("--ring-buffer-mb", type=float, default=16.0,
                    help="BPF ring buffer size; size it for the node's peak (events are ~300 bytes)")
     p.add_argument("--flush-interval", type=float, default=0.5, help="seconds between store writes")
@@ -126,7 +128,7 @@ def run_auditor(args: argparse.Namespace) -> int:
         store = SqliteStore(args.db)
         source = open_source(args.source, spool=args.spool, store=store,
                              ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), pids=args.pid,
-                             cgroups=args.cgroup)
+                             cgroups=args.cgroup, pids_from_spool=args.pids_from_spool)
         writer = None
         if args.tenant_quotas:
             from zerolayer.bpf.kube import QuotaStatusWriter, TenantQuotaApi
@@ -136,7 +138,7 @@ def run_auditor(args: argparse.Namespace) -> int:
                                    detail_retention_s=args.retention, aggregate_retention_s=args.aggregate_retention,
                                    status_interval_s=args.status_interval)
         auditor = Auditor(store, source, spool=args.spool, settings=settings, energy_source=_energy_source(
-            args.gpu_source), quota_writer=writer, prices=_price_book(args))
+            args.gpu_source), quota_writer=writer, prices=_price_book(args), pids_from_spool=args.pids_from_spool)
     except AuditError as exc:
         print(f"zerolayer auditor: {exc}", file=sys.stderr)
         return 2

@@ -103,13 +103,15 @@ class BpfTokenSource:
     kind = "bpf"
 
     def __init__(self, *, ring_buffer_bytes: int = 16 << 20, pids: Iterable[int] = (),
-                 cgroups: Iterable[str] = (), drain_interval_s: float = 0.05) -> None:
+                 cgroups: Iterable[str] = (), drain_interval_s: float = 0.05, filter_pids: bool = False) -> None:
+        """``pids``/``cgroups``: meter only these (none: every process that loads the probe library).
+        ``filter_pids=True`` filters by pid even with no pid yet: add them later with :meth:`add_pid`."""
         check_kernel()
         self.drain_interval_s = drain_interval_s
         bcc = import_bcc()
         self.pids = [int(p) for p in pids]
         self.cgroup_ids = [cgroup_id(c) for c in cgroups]
-        self.text = render_program(ring_buffer_bytes=ring_buffer_bytes, filter_pids=bool(self.pids),
+        self.text = render_program(ring_buffer_bytes=ring_buffer_bytes, filter_pids=bool(self.pids) or filter_pids,
                                    filter_cgroups=bool(self.cgroup_ids))
         library = probe_library()
         try:
@@ -155,7 +157,9 @@ class BpfTokenSource:
         return int(sum(self.bpf[b"lost"].getvalue(0)))
 
     def add_pid(self, pid: int) -> None:
+        """Meter this process from now on (only when the program filters by pid)."""
         self.bpf[b"target_pids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+        self.pids.append(pid)
 
     def close(self) -> None:
         self.bpf.cleanup()

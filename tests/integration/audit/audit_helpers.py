@@ -47,14 +47,37 @@ def key(tenant: str) -> str:
     return f"sk-{tenant}-audit"
 
 
-def write_config(path: pathlib.Path, *, output_tokens: int = 40, tokens_per_second: float | None = 400) -> None:
+VLLM_MODEL = "tiny-llama"
+
+
+def vllm_skip_reason() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "the real engine is not installed (pip install -e .[engine]; see DESIGN.md section 6)"
+    return None
+
+
+def write_config(path: pathlib.Path, *, engine_kind: str = "synthetic", output_tokens: int = 40,
+                 tokens_per_second: float | None = 400, model_dir: pathlib.Path | None = None) -> str:
+    """Write a runtime config for the three tenants; returns the served model name."""
     tenants = [{"name": t, "keys": [{"sha256": hashlib.sha256(key(t).encode()).hexdigest()}],
                 "tokens_per_minute": 100_000_000, "requests_per_minute": 1_000_000,
                 "max_concurrent_streams": 1000} for t in TENANTS]
-    engine: dict[str, Any] = {"kind": "synthetic", "models": [MODEL], "output_tokens": output_tokens}
-    if tokens_per_second:
-        engine["tokens_per_second"] = tokens_per_second
+    engine: dict[str, Any]
+    if engine_kind == "vllm":
+        assert model_dir is not None
+        engine = {"kind": "vllm", "model_path": str(model_dir), "generate_tiny_model": True,
+                  "served_name": VLLM_MODEL, "max_model_len": 512, "max_num_seqs": 8,
+                  "kv_cache_memory_bytes": 64 << 20}
+        model = VLLM_MODEL
+    else:
+        engine = {"kind": "synthetic", "models": [MODEL], "output_tokens": output_tokens}
+        if tokens_per_second:
+            engine["tokens_per_second"] = tokens_per_second
+        model = MODEL
     path.write_text(json.dumps({"listen": {"host": "127.0.0.1", "port": 0}, "engine": engine, "tenants": tenants}))
+    return model
 
 
 class Processes:
@@ -116,9 +139,15 @@ class Ledger:
         self.usage_mismatch = 0
 
 
-async def stream_once(client: httpx.AsyncClient, base: str, tenant: str, ledger: Ledger, max_tokens: int) -> None:
-    """One streamed Messages request; counts each text delta (one synthetic token) as it arrives."""
-    body = {"model": MODEL, "max_tokens": max_tokens, "stream": True,
+async def stream_once(client: httpx.AsyncClient, base: str, tenant: str, ledger: Ledger, max_tokens: int,
+                      model: str = MODEL) -> None:
+    """One streamed Messages request.
+
+    Counts each text delta as it arrives (one token for the synthetic engine); a stream that
+    completes is then counted by the usage the server reports in ``message_delta`` (vLLM can
+    produce a token with no text, which is metered but sends no delta).
+    """
+    body = {"model": model, "max_tokens": max_tokens, "stream": True,
             "messages": [{"role": "user", "content": f"audit me {tenant}"}]}
     got = 0
     async with client.stream("POST", f"{base}/v1/messages", json=body,
@@ -135,15 +164,17 @@ async def stream_once(client: httpx.AsyncClient, base: str, tenant: str, ledger:
                     got += 1
                     ledger.received[tenant] += 1
                 elif data.get("type") == "message_delta":
-                    if data["usage"]["output_tokens"] != got:
+                    usage = data["usage"]["output_tokens"]
+                    if usage != got:
                         ledger.usage_mismatch += 1
+                        ledger.received[tenant] += usage - got
             ledger.completed += 1
         except (httpx.TransportError, httpx.RemoteProtocolError):
             ledger.broken += 1
 
 
 async def load(port_of: Any, ledger: Ledger, stop: asyncio.Event, *, workers_per_tenant: int = 4,
-               max_tokens: int = 40) -> None:
+               max_tokens: int = 40, model: str = MODEL) -> None:
     """Concurrent streams from every tenant until ``stop``; survives the runtime going away."""
 
     async def worker(tenant: str) -> None:
@@ -152,7 +183,7 @@ async def load(port_of: Any, ledger: Ledger, stop: asyncio.Event, *, workers_per
             try:
                 async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
                     while not stop.is_set():
-                        await stream_once(client, base, tenant, ledger, max_tokens)
+                        await stream_once(client, base, tenant, ledger, max_tokens, model)
             except (httpx.TransportError, httpx.HTTPStatusError):
                 await asyncio.sleep(0.1)  # runtime restarting
 

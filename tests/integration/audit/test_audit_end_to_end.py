@@ -22,6 +22,7 @@ from audit_helpers import (  # noqa: E402
     Processes,
     bpf_skip_reason,
     free_port,
+    vllm_skip_reason,
     load,
     wait_for_line,
     wait_for_port,
@@ -33,12 +34,21 @@ from zerolayer.bpf.store import SqliteStore  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
-@pytest.mark.parametrize("source", ["bpf", "journal"])
-async def test_billed_equals_received_through_kills(tmp_path, source):
+@pytest.mark.parametrize("source,engine", [
+    ("bpf", "synthetic"),
+    ("journal", "synthetic"),
+    pytest.param("bpf", "vllm", marks=[pytest.mark.engine, pytest.mark.timeout(600)]),
+])
+async def test_billed_equals_received_through_kills(tmp_path, source, engine):
     if source == "bpf" and (reason := bpf_skip_reason()):
         pytest.skip(reason)
+    if engine == "vllm" and (reason := vllm_skip_reason()):
+        pytest.skip(reason)
     spool, db, config = tmp_path / "spool", tmp_path / "audit.db", tmp_path / "runtime.json"
-    write_config(config)
+    model = write_config(config, engine_kind=engine, model_dir=tmp_path / "tiny-llama")
+    # vLLM on CPU: ~20 s to start, a few hundred tokens/s; phases last longer so streams overlap the kills
+    phase = 1.5 if engine == "synthetic" else 6.0
+    workers = 4 if engine == "synthetic" else 2
     port = free_port()
     procs = Processes(tmp_path)
     runtime_args = ["runtime", "--config", str(config), "--port", str(port), "--audit-spool", str(spool)]
@@ -46,6 +56,8 @@ async def test_billed_equals_received_through_kills(tmp_path, source):
         runtime_args.append("--audit-journal")
     auditor_args = ["auditor", "--source", source, "--db", str(db), "--spool", str(spool),
                     "--flush-interval", "0.2", "--reconcile-interval", "1"]
+    if source == "bpf":
+        auditor_args.append("--pids-from-spool")  # only this test's runtimes, not other probe users
     sleep = asyncio.sleep
 
     starts = iter(range(1, 100))
@@ -59,24 +71,24 @@ async def test_billed_equals_received_through_kills(tmp_path, source):
     try:
         auditor = await asyncio.to_thread(start_auditor)
         runtime = procs.start("runtime-1", *runtime_args)
-        await asyncio.to_thread(wait_for_port, port)
+        await asyncio.to_thread(wait_for_port, port, 300)
         ledger = Ledger()
         stop = asyncio.Event()
-        clients = asyncio.create_task(load(lambda: port, ledger, stop))
-        await sleep(1.5)
+        clients = asyncio.create_task(load(lambda: port, ledger, stop, workers_per_tenant=workers, model=model))
+        await sleep(phase)
         procs.kill(auditor)  # 1st auditor kill: events meanwhile are missed (bpf) or wait in the journal
         await sleep(1.0)
         auditor = await asyncio.to_thread(start_auditor)
-        await sleep(1.5)
+        await sleep(phase)
         procs.kill(runtime)  # runtime killed mid-stream: streams break, counters snapshot is up to 1 s old
         broken_before = ledger.broken
         runtime = procs.start("runtime-2", *runtime_args)
-        await asyncio.to_thread(wait_for_port, port)
-        await sleep(1.5)
+        await asyncio.to_thread(wait_for_port, port, 300)
+        await sleep(phase)
         procs.kill(auditor)  # 2nd auditor kill
         await sleep(1.0)
         auditor = await asyncio.to_thread(start_auditor)
-        await sleep(1.5)
+        await sleep(phase)
         stop.set()
         await asyncio.wait_for(clients, 60)
         assert procs.kill(runtime, signal.SIGTERM) == 0  # clean stop: final counters
@@ -85,13 +97,15 @@ async def test_billed_equals_received_through_kills(tmp_path, source):
     finally:
         procs.close()
 
-    assert ledger.completed > 50 and ledger.broken > broken_before - 1 and ledger.usage_mismatch == 0
-    assert ledger.broken >= 1, "the runtime kill should break streams in flight"
+    assert ledger.completed > 20
+    assert ledger.broken > broken_before, "the runtime kill should break streams in flight"
+    if engine == "synthetic":
+        assert ledger.usage_mismatch == 0  # one token per delta
     store = SqliteStore(db)
     totals = store.totals()
     billed = {t: o for t, o in store.db.execute(
         "SELECT tenant, sum(output_tokens + reconciled_output) FROM usage_minute GROUP BY tenant")}
-    print(f"\n{source}: received {ledger.received}, billed {billed}, completed {ledger.completed}, "
+    print(f"\n{source}/{engine}: received {ledger.received}, billed {billed}, completed {ledger.completed}, "
           f"broken {ledger.broken}")
     for r in totals["runtimes"]:
         print(f"  runtime {r['runtime_id']}: hwm {r['hwm']} events {r['events']} missing {r['missing']} "
@@ -111,5 +125,11 @@ async def test_billed_equals_received_through_kills(tmp_path, source):
         assert missing > 0, "the auditor was down while streams ran: the kernel path must have missed events"
     else:
         assert missing == 0, "the journal keeps what the auditor was not there to read"
-    assert billed == ledger.received
+    if engine == "synthetic":
+        assert billed == ledger.received
+    else:
+        # A vLLM token can carry no text (it shows up in a later delta): metered, but a client cut off by the
+        # runtime kill cannot count it. Completed streams are exact (usage); the rest is bounded per broken stream.
+        for tenant in TENANTS:
+            assert 0 <= billed[tenant] - ledger.received[tenant] <= 4 * ledger.broken, (billed, ledger.received)
     assert set(billed) == set(TENANTS)
