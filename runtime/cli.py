@@ -19,6 +19,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--config", required=True, help="standalone YAML config (see examples/standalone.yaml)")
     parser.add_argument("--port", type=int, default=None, help="override listen.port")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
+    from zerolayer.runtime.gossip.hook import add_gossip_arguments
+
+    add_gossip_arguments(parser)  # --node-name etc.: GPU-map gossip (docs/gpu-map.md)
+    from zerolayer.bpf.hook import add_audit_arguments
+
+    add_audit_arguments(parser)  # --audit-spool, --audit-journal: token metering (docs/audit.md)
     parser.set_defaults(handler=run)
 
 
@@ -40,10 +46,20 @@ def run(args: argparse.Namespace) -> int:
         runner = asyncio.run
 
     async def main() -> None:
+        from zerolayer.runtime.gossip.hook import start_node_agent
+
+        from zerolayer.bpf.hook import attach_token_probe
+
+        probe = attach_token_probe(args, server)  # USDT token events (+ counters, journal with --audit-spool)
         await server.start()
+        agent = await start_node_agent(args, server)  # SIGUSR1 release; gossip with --node-name
         print(f"zerolayer runtime serving on {server.base_url} (engine: {server.engine.kind}, "
               f"models: {', '.join(server.engine.models)})", flush=True)
-        await server.serve_forever()
+        try:
+            await server.serve_forever()
+        finally:
+            await agent.stop()
+            probe.close()
 
     try:
         runner(main())
