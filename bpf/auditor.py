@@ -51,6 +51,7 @@ class AuditorSettings:
     prune_interval_s: float = 300.0
     energy_interval_s: float = 1.0
     status_interval_s: float = 15.0
+    mirror_interval_s: float = 10.0
 
 
 class AuditorMetrics:
@@ -78,7 +79,8 @@ class Auditor:
     def __init__(self, store: SqliteStore, source: EventSource, *, spool: str | pathlib.Path | None = None,
                  settings: AuditorSettings | None = None, metrics: AuditorMetrics | None = None,
                  energy_source: Any = None, quota_writer: Any = None, prices: PriceBook | None = None,
-                 clock: Callable[[], float] = time.monotonic, pids_from_spool: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, pids_from_spool: bool = False,
+                 mirror: Any = None) -> None:
         self.store = store
         self.source = source
         self.spool = pathlib.Path(spool) if spool is not None else None
@@ -86,6 +88,7 @@ class Auditor:
         self.metrics = metrics or AuditorMetrics()
         self.energy_source = energy_source
         self.quota_writer = quota_writer
+        self.mirror = mirror  # ClickHouseMirror or None
         self.prices = prices
         self.clock = clock
         self.stopping = threading.Event()
@@ -110,6 +113,7 @@ class Auditor:
         next_prune = now
         next_energy = now
         next_status = now + s.status_interval_s
+        next_mirror = now + s.mirror_interval_s
         try:
             while not self.stopping.is_set():
                 self._buffer.extend(self.source.poll(100))
@@ -131,9 +135,14 @@ class Auditor:
                 if self.quota_writer is not None and now >= next_status:
                     self.publish_status()
                     next_status = now + s.status_interval_s
+                if self.mirror is not None and now >= next_mirror:
+                    self.sync_mirror()
+                    next_mirror = now + s.mirror_interval_s
         finally:
             self.drain()
             self.reconcile()
+            if self.mirror is not None:
+                self.sync_mirror()
             self.source.close()
 
     def stop(self) -> None:
@@ -210,6 +219,14 @@ class Auditor:
             self._snapshot_seen[doc["runtime_id"]] = (doc["seq"], bool(doc.get("final")))
         self.metrics.missing.set(sum(r["missing"] for r in self.store.totals()["runtimes"]))
         return found
+
+    def sync_mirror(self) -> None:
+        from zerolayer.bpf.errors import StoreError
+
+        try:
+            self.mirror.sync(self.store)
+        except StoreError as exc:  # the local store is the ledger: the next sync re-sends what failed
+            log.warning("ClickHouse mirror not updated: %s", exc)
 
     def sample_energy(self) -> None:
         now = self.clock()

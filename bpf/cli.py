@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -31,7 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description="Attach to the runtimes' USDT probe (or tail their journals), aggregate per tenant, model and "
                     "minute into the audit store, reconcile with the runtimes' counters, publish TenantQuota usage.")
     p.add_argument("--db", default="audit.db", help="SQLite audit store (default audit.db)")
-    p.add_argument("--clickhouse", metavar="URL", help="also mirror aggregates to ClickHouse (http://host:8123/db)")
+    p.add_argument("--clickhouse", metavar="URL",
+                   help="mirror the audit tables to ClickHouse for the fleet (http://[user:pw@]host:8123/db)")
+    p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or os.uname().nodename,
+                   help="this node's name in ClickHouse rows (default: $NODE_NAME, else the host name)")
     p.add_argument("--source", choices=("auto", "bpf", "journal"), default="auto",
                    help="bpf: the kernel path; journal: the in-process path; auto: bpf if it can run here")
     p.add_argument("--spool", help="the runtimes' --audit-spool directory (counters snapshots, journals)")
@@ -65,6 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     sub = a.add_subparsers(dest="audit_command", metavar="ACTION", required=True)
     r = sub.add_parser("report", help="usage and cost per tenant and model")
     r.add_argument("--db", default="audit.db")
+    r.add_argument("--clickhouse", metavar="URL", help="report the whole fleet from ClickHouse instead of --db")
     r.add_argument("--tenant", help="only this tenant")
     r.add_argument("--since", type=parse_duration, default=parse_duration("1h"), help="window length (default 1h)")
     r.add_argument("--output", choices=("table", "json", "csv"), default="table")
@@ -134,11 +139,17 @@ def run_auditor(args: argparse.Namespace) -> int:
             from zerolayer.bpf.kube import QuotaStatusWriter, TenantQuotaApi
 
             writer = QuotaStatusWriter(TenantQuotaApi(args.kubeconfig), min_interval_s=args.status_interval)
+        mirror = None
+        if args.clickhouse:
+            from zerolayer.bpf.clickhouse import ClickHouseMirror, connect
+
+            mirror = ClickHouseMirror(connect(args.clickhouse), args.node_name)
         settings = AuditorSettings(flush_interval_s=args.flush_interval, reconcile_interval_s=args.reconcile_interval,
                                    detail_retention_s=args.retention, aggregate_retention_s=args.aggregate_retention,
                                    status_interval_s=args.status_interval)
         auditor = Auditor(store, source, spool=args.spool, settings=settings, energy_source=_energy_source(
-            args.gpu_source), quota_writer=writer, prices=_price_book(args), pids_from_spool=args.pids_from_spool)
+            args.gpu_source), quota_writer=writer, prices=_price_book(args), pids_from_spool=args.pids_from_spool,
+            mirror=mirror)
     except AuditError as exc:
         print(f"zerolayer auditor: {exc}", file=sys.stderr)
         return 2
@@ -164,7 +175,12 @@ def run_report(args: argparse.Namespace) -> int:
 
     try:
         book = _price_book(args)
-        store = SqliteStore(args.db)
+        if args.clickhouse:
+            from zerolayer.bpf.clickhouse import ClickHouseMirror, connect
+
+            store = ClickHouseMirror(connect(args.clickhouse), "")
+        else:
+            store = SqliteStore(args.db)
         bills = bill(store.usage(time.time_ns() - int(args.since * NS), tenant=args.tenant), book)
     except AuditError as exc:
         print(f"zerolayer audit: {exc}", file=sys.stderr)
