@@ -35,9 +35,13 @@ async def running_server(**kwargs):
         await server.stop(drain_timeout_s=0.5)
 
 
-def body(words: int = 8, max_tokens: int = 16, model: str = "synthetic", stream: bool = True) -> dict:
-    return {"model": model, "max_tokens": max_tokens, "stream": stream,
+def body(words: int = 8, max_tokens: int = 16, model: str = "synthetic", stream: bool = True,
+         temperature: float | None = None) -> dict:
+    data = {"model": model, "max_tokens": max_tokens, "stream": stream,
             "messages": [{"role": "user", "content": " ".join(["hello"] * words)}]}
+    if temperature is not None:
+        data["temperature"] = temperature
+    return data
 
 
 def headers(priority: str, **extra: str) -> dict[str, str]:
@@ -61,12 +65,13 @@ class StreamResult:
 
 
 async def stream_messages(client: httpx.AsyncClient, priority: str, result: StreamResult | None = None, *,
-                          words: int = 8, max_tokens: int = 16, **extra_headers: str) -> StreamResult:
+                          words: int = 8, max_tokens: int = 16, temperature: float | None = None,
+                          **extra_headers: str) -> StreamResult:
     """One streaming /v1/messages call; never raises for HTTP errors or resets."""
     result = result or StreamResult()
     started = time.monotonic()
     try:
-        async with client.stream("POST", "/v1/messages", json=body(words, max_tokens),
+        async with client.stream("POST", "/v1/messages", json=body(words, max_tokens, temperature=temperature),
                                   headers=headers(priority, **extra_headers)) as response:
             result.status = response.status_code
             result.headers = dict(response.headers)
