@@ -1,0 +1,116 @@
+"""The real engine: vLLM's AsyncLLM in the runtime's process, serving the tiny generated model.
+
+Started once for the module (~20 s on this CPU). Random weights produce noise, so these
+tests check structure: token counts, finish reasons, event order, aborts, metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import warnings
+from typing import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from runtime_helpers import KEY, H2Client, chat_body, sse_events, start_runtime
+
+from zerolayer.contract import H2_CANCEL, ErrorCode
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # torch and vLLM warn about themselves on import
+    pytest.importorskip("vllm", reason="the vllm engine extra is not installed")
+
+pytestmark = [
+    pytest.mark.integration, pytest.mark.engine, pytest.mark.timeout(300),
+    pytest.mark.asyncio(loop_scope="session"),
+    # Third-party noise raised inside torch/transformers/vLLM, not in our code.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:torch"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:transformers"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:vllm"),
+    pytest.mark.filterwarnings("ignore::FutureWarning:vllm"),
+    pytest.mark.filterwarnings("ignore::UserWarning:vllm"),
+    # vLLM's shutdown leaves its zmq.Context to the garbage collector.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+REPO = pathlib.Path(__file__).resolve().parents[3]
+MODEL = "tiny-llama"
+MESSAGES = [{"role": "user", "content": "Say something about zero layers."}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vllm_runtime() -> AsyncIterator:
+    from zerolayer.runtime import tinymodel
+    from zerolayer.runtime.engine.vllm_engine import VllmEngine
+
+    path = await asyncio.to_thread(tinymodel.generate, REPO / ".models" / MODEL)
+    engine = VllmEngine(str(path), served_name=MODEL, max_model_len=1024, max_num_seqs=4,
+                        kv_cache_memory_bytes=64 * 1024 * 1024)
+    async with start_runtime(engine=engine, sample_interval_s=0.05) as server:
+        yield server
+
+
+def expected_prompt_tokens() -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / ".models" / MODEL)
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def test_anthropic_sdk_against_vllm(vllm_runtime):
+    import anthropic
+
+    async with anthropic.AsyncAnthropic(base_url=vllm_runtime.base_url, api_key=KEY, max_retries=0) as client:
+        message = await client.messages.create(model=MODEL, max_tokens=12, messages=MESSAGES,
+                                               extra_headers={"x-anthropic-priority": "high"})
+        assert message.usage.input_tokens == await asyncio.to_thread(expected_prompt_tokens)
+        assert 1 <= message.usage.output_tokens <= 12
+        assert message.stop_reason in ("max_tokens", "end_turn")
+        if message.stop_reason == "max_tokens":
+            assert message.usage.output_tokens == 12
+        async with client.messages.stream(model=MODEL, max_tokens=6, messages=MESSAGES) as stream:
+            async for _ in stream.text_stream:
+                pass
+            final = await stream.get_final_message()
+        assert 1 <= final.usage.output_tokens <= 6
+
+
+async def test_openai_streaming_usage_against_vllm(vllm_runtime):
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=vllm_runtime.base_url + "/v1", api_key=KEY, max_retries=0) as client:
+        chunks = [c async for c in await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=5, stream=True, stream_options={"include_usage": True},
+            extra_body={"priority": 0})]
+    assert chunks[-1].usage is not None and 1 <= chunks[-1].usage.completion_tokens <= 5
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["length"], ["stop"])
+
+
+async def test_preempting_a_vllm_stream_aborts_the_request(vllm_runtime):
+    async with H2Client(vllm_runtime.port) as client:
+        body = chat_body(max_tokens=900, model=MODEL)
+        sid = await client.request("/v1/messages", body, {"x-api-key": KEY})
+        result = client.streams[sid]
+        await asyncio.wait_for(result.got_data.wait(), 30)
+        (key,) = vllm_runtime.app.streams
+        vllm_runtime.preempt(key, ErrorCode.RESOURCE_EXHAUSTED, "test")
+        await asyncio.wait_for(result.done.wait(), 30)
+    assert result.reset_code == H2_CANCEL
+    assert sse_events(bytes(result.body))[-1][0] == "error"
+
+    async def engine_idle() -> None:
+        while vllm_runtime.engine.stats().running:
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(engine_idle(), 30)
+
+
+async def test_vllm_gauges_on_metrics(vllm_runtime):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=vllm_runtime.base_url) as http:
+        text = (await http.get("/metrics")).text
+    assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}' in text
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text
