@@ -192,3 +192,13 @@ async def test_sampler_hands_samples_to_the_event_loop():
 def test_sampler_rejects_a_bad_interval():
     with pytest.raises(ValueError):
         GpuSampler(SimulatedGpuSource.constant(0.5), print, interval_s=0)
+
+
+def test_readings_cli_prints_a_simulated_table(capsys, tmp_path):
+    from zerolayer.runtime.gpu.__main__ import main
+
+    path = tmp_path / "s.yaml"
+    path.write_text("gpus:\n  - {name: Sim, steps: [{memory: [0.5, 0.9], samples: 2}]}\n")
+    assert main(["--source", "simulated", "--scenario", str(path), "--samples", "2", "--interval", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and "50.0%" in out[1] and "90.0%" in out[2]
