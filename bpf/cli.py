@@ -203,14 +203,14 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+def table(rows: list[dict[str, Any]], columns: list[str], empty: str = "(no usage in this window)") -> str:
     widths = [max([len(c)] + [len(str(r[c])) for r in rows]) for c in columns]
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths))]
     for r in rows:
         lines.append("  ".join(str(r[c]).rjust(w) if isinstance(r[c], int) else str(r[c]).ljust(w)
                                for c, w in zip(columns, widths)))
     if not rows:
-        lines.append("(no usage in this window)")
+        lines.append(empty)
     return "\n".join(lines)
 
 
@@ -230,7 +230,8 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     print(f"mode: {doc['mode']}   kernel lost events: {doc['kernel_lost_events']}")
-    print(table(doc["runtimes"], ["runtime_id", "pid", "hwm", "events", "missing", "counters_seq", "final"]))
+    print(table(doc["runtimes"], ["runtime_id", "pid", "hwm", "events", "missing", "counters_seq", "final"],
+                "(no runtime seen yet)"))
     if doc["reconciliations"]:
         print()
         print(table(doc["reconciliations"], ["runtime_id", "tenant", "model", "counters_seq", "input_tokens",

@@ -213,7 +213,8 @@ class SqliteStore:
             db.executemany(
                 "INSERT INTO runtimes (runtime_id, pid, hwm, events, first_ns, last_ns) VALUES (?,?,?,?,?,?) "
                 "ON CONFLICT (runtime_id) DO UPDATE SET hwm = max(hwm, excluded.hwm), "
-                "events = events + excluded.events, first_ns = min(first_ns, excluded.first_ns), "
+                "events = events + excluded.events, "
+                "first_ns = CASE WHEN first_ns = 0 THEN excluded.first_ns ELSE min(first_ns, excluded.first_ns) END, "
                 "last_ns = max(last_ns, excluded.last_ns), pid = excluded.pid",
                 [(k, *v) for k, v in runtimes.items()])
             db.executemany("INSERT OR REPLACE INTO auditor_state VALUES (?, ?)", list(state.items()))

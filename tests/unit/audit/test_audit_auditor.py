@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from decimal import Decimal
 from typing import Any
 
 from zerolayer.bpf.auditor import Auditor, AuditorSettings
@@ -109,4 +110,29 @@ def test_auditor_publishes_crd_usage_fields(tmp_path):
     assert set(usage) == {"windowStart", "tokensThisWindow", "requestsThisWindow", "inputTokensTotal",
                           "outputTokensTotal", "cost", "lastUpdate"}
     assert (usage["inputTokensTotal"], usage["outputTokensTotal"], usage["requestsThisWindow"]) == (12, 30, 1)
+    probe.close()
+
+
+def test_energy_from_gpu_power_is_billed(tmp_path):
+    from zerolayer.bpf.billing import PriceBook, Prices, bill
+    from zerolayer.runtime.gpu.simulated import SimulatedGpuSource
+
+    gpus = SimulatedGpuSource({"gpus": [{"steps": [{"memory": 0.5, "samples": 10, "power_watts": 300}]},
+                                        {"steps": [{"memory": 0.5, "samples": 10, "power_watts": 100}]}]})
+    spool = tmp_path / "spool"
+    probe = TokenProbe(spool, journal=True)
+    probe.emit("acme", "r", "tiny", 0, 30)
+    probe.emit("globex", "r", "tiny", 0, 10)
+    now = [100.0]
+    store = SqliteStore(tmp_path / "audit.db")
+    auditor = Auditor(store, JournalSource(spool), spool=spool, energy_source=gpus, clock=lambda: now[0])
+    auditor.drain()
+    auditor.sample_energy()
+    now[0] += 9.0  # 9 s at 400 W = 3600 J = 1 Wh
+    auditor.sample_energy()
+    usage = {r.tenant: r for r in store.usage(0)}
+    assert (usage["acme"].energy_joules, usage["globex"].energy_joules) == (2700.0, 900.0)
+    book = PriceBook({"acme": Prices()}, energy_per_kwh=Decimal("1000"))
+    assert {b.tenant: b.energy_cost for b in bill(store.usage(0), book)} == {"acme": Decimal("0.75"),
+                                                                              "globex": Decimal("0.25")}
     probe.close()
