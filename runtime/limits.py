@@ -73,6 +73,10 @@ class TokenBucket:
         self.tokens = capacity
         self.stamp = now
 
+    def credit(self, amount: float) -> None:
+        """Give back budget earned otherwise than by time (never above capacity)."""
+        self.tokens = min(self.capacity, self.tokens + amount)
+
     def take(self, now: float) -> bool:
         self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now

@@ -404,6 +404,9 @@ class H2ServerCore:
                     chunk = chunk[:window]
                 stream.out_bytes -= len(chunk)
                 conn.send_data(sid, chunk)
+                # A reader acknowledges our DATA with WINDOW_UPDATEs (stream + connection): those are
+                # earned, so the flood budget only bites on updates that answer nothing we sent.
+                self._window_updates.credit(2)
             if stream.end_pending and not stream.local_ended:
                 conn.end_stream(sid)
                 stream.local_ended = True

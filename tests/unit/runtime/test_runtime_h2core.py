@@ -279,3 +279,18 @@ def test_bad_preface_ends_the_connection(garbage: bytes):
     core.data_to_send()
     events = core.receive(garbage)
     assert any(isinstance(e, ConnectionEnded) for e in events) and core.ended
+
+
+def test_window_updates_that_answer_our_data_are_not_a_flood():
+    p = Pair(limits=Limits(window_update_burst=10, window_update_per_second=1))
+    for i in range(40):  # a busy, well-behaved reader: every response acknowledged
+        sid = 1 + 2 * i
+        p.client.send_headers(sid, REQUEST, end_stream=True)
+        p.send()
+        p.core.send_head(sid, 200, [])
+        p.core.send_data(sid, b"answer", end=True)
+        for event in p.back():
+            if isinstance(event, h2.events.DataReceived):
+                p.client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        p.send()
+    assert p.limit_hits == [] and not p.core.ended
