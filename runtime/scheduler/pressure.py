@@ -16,7 +16,7 @@ from zerolayer.contract import Priority
 from zerolayer.runtime.gpu.api import GpuReading
 
 from .api import Pressure, RunningStream
-from .config import SchedulerConfig, Watermarks
+from .config import SchedulerConfig, SchedulerError, Watermarks
 
 SHED_CLASSES = (Priority.LOW, Priority.NORMAL)  # lowest first: the order streams are shed in
 
@@ -118,7 +118,11 @@ def pressure_from_readings(
 ) -> Pressure:
     """One ``Pressure`` from one sample of every GPU the engine uses.
 
-    The engine needs all its GPUs (tensor parallelism), so the fullest one decides.
+    The engine needs all its GPUs (tensor parallelism), so the fullest one decides. A sample
+    with no reading (a failed sample) is not "0 % memory": it raises ``SchedulerError`` so the
+    caller skips ``observe`` and the gate keeps its last state instead of re-opening.
     """
-    fraction = max((r.memory_fraction for r in readings), default=0.0)
+    if not readings:
+        raise SchedulerError("no GPU reading in this sample: keep the last pressure state")
+    fraction = max(r.memory_fraction for r in readings)
     return Pressure(memory_fraction=fraction, running=tuple(running), waiting=waiting, sampled_at=sampled_at)

@@ -63,3 +63,13 @@ async def test_feed_runs_on_the_loop_and_refuses_low_within_one_sample():
     finally:
         await feed.stop()
     assert len(sched.metrics.reaction_samples) == 1
+
+
+def test_an_empty_sample_is_not_zero_memory():
+    from zerolayer.runtime.scheduler import SchedulerError, pressure_from_readings
+
+    with pytest.raises(SchedulerError, match="keep the last pressure state"):
+        pressure_from_readings((), (), 0, 1.0)
+    readings = SimulatedGpuSource({"gpus": [{"steps": [{"memory": 0.4, "samples": 1}]},
+                                           {"steps": [{"memory": 0.93, "samples": 1}]}]}).sample()
+    assert pressure_from_readings(readings, (), 2, 1.0).memory_fraction == pytest.approx(0.93)
