@@ -142,3 +142,34 @@ async def test_quota_refusal_carries_ratelimit_headers_over_http2():
         assert refused.headers["x-ratelimit-limit-requests"] == "2"
         assert refused.headers["x-ratelimit-remaining-requests"] == "0"
         assert 58 <= int(refused.headers["retry-after"]) <= 60  # the first request leaves the window in ~60 s
+
+
+async def test_fifty_concurrent_streams_cannot_overshoot_the_token_quota():
+    from bench.scheduler_h2load import H2LoadClient
+    from scheduler_h2 import API_KEY, body
+    import json
+
+    from zerolayer.runtime.engine.base import ChatMessage
+
+    engine = SyntheticEngine(("synthetic",), output_tokens=4, tokens_per_second=2)  # no stream ends (and refunds) early
+    limit = 500
+    sched = MicroScheduler()
+    async with running_server(engine=engine, scheduler=sched, tenants=[tenant(tokens_per_minute=limit)],
+                              sample_interval_s=MANUAL) as (server, client):
+        prompt = await engine.render("synthetic", [ChatMessage("user", " ".join(["hello"] * 8))])
+        per_request = prompt.token_count + 16  # reserved: prompt + max_tokens
+        payload = json.dumps(body(8, 16)).encode()
+        async with H2LoadClient("127.0.0.1", server.port) as h2c:
+            results = await asyncio.gather(*(h2c.request("/v1/messages", {"x-api-key": API_KEY}, payload)
+                                             for _ in range(50)))
+        metrics = (await client.get("/metrics")).text
+    ok = [r for r in results if r.status == 200]
+    limited = [r for r in results if r.status == 429]
+    assert len(ok) + len(limited) == 50
+    # HEADERS-time reservations use a size estimate (content-length / 4), re-sized at body time,
+    # so fewer than limit // per_request may get in, never more
+    assert 0 < len(ok) <= limit // per_request
+    assert all(r.error_code == "RATE_LIMITED" and int(r.headers["retry-after"]) >= 1 for r in limited)
+    assert all(r.headers["x-ratelimit-limit-tokens"] == str(limit) for r in limited)
+    # the scheduler's counters are served on the runtime's /metrics
+    assert f'zerolayer_scheduler_refused_total{{code="RATE_LIMITED",priority="normal",reason="tokens"}} {len(limited)}.0' in metrics
