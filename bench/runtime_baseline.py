@@ -5,6 +5,7 @@ plain model server would (the role vLLM's own OpenAI server plays), and ``proxy_
 is a gateway in front of it that authenticates, forwards the body with httpx and
 relays the answer (the role LiteLLM's proxy plays). Both do the minimum: the point is
 the cost of the extra hop and of a general-purpose ASGI stack, not of features.
+``BENCH_ENGINE=vllm`` (with ``BENCH_MODEL``) serves the tiny vLLM model instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import uuid
 from typing import AsyncIterator
 
 import httpx
@@ -22,13 +24,23 @@ from zerolayer.runtime.api.common import dumps
 from zerolayer.runtime.engine.base import SamplingOptions
 from zerolayer.runtime.engine.synthetic import SyntheticEngine
 
-ENGINE = SyntheticEngine()
+def _engine():  # type: ignore[no-untyped-def]
+    if os.environ.get("BENCH_ENGINE") == "vllm":
+        from zerolayer.runtime.engine.vllm_engine import VllmEngine
+
+        return VllmEngine(os.environ["BENCH_MODEL"], served_name="synthetic", max_model_len=1024,
+                          max_num_seqs=16, kv_cache_memory_bytes=64 * 1024 * 1024)
+    return SyntheticEngine()
+
+
+ENGINE = _engine()
 KEY_HASH = hashlib.sha256(os.environ.get("BENCH_KEY", "sk-bench").encode()).hexdigest()
 
 @contextlib.asynccontextmanager
 async def _engine_lifespan(app: FastAPI) -> AsyncIterator[None]:
     await ENGINE.start()
     yield
+    await ENGINE.close()
 
 
 engine_app = FastAPI(lifespan=_engine_lifespan)
@@ -39,7 +51,8 @@ async def messages(request: Request) -> Response:
     req = anthropic.parse(await request.body())
     prompt = await ENGINE.render(req.model, req.messages)
     text, tokens, finish = [], 0, "stop"
-    async for delta in ENGINE.generate(prompt, SamplingOptions(req.max_tokens), "r", 1):
+    options = SamplingOptions(req.max_tokens, temperature=req.temperature)
+    async for delta in ENGINE.generate(prompt, options, uuid.uuid4().hex, 1):
         text.append(delta.text)
         tokens += delta.token_count
         finish = delta.finish_reason or finish

@@ -18,6 +18,7 @@ runs in its own process; this machine has 2 cores shared with the load generator
 the ratios, not the absolute numbers.
 
     python bench/runtime_overhead.py [--requests 400] [--throughput-requests 2000] [--concurrency 32]
+    python bench/runtime_overhead.py --engine vllm --requests 100 --throughput-requests 400 --concurrency 8
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ import httpx
 
 HERE = pathlib.Path(__file__).resolve().parent
 KEY = "sk-bench"
-BODY = json.dumps({"model": "synthetic", "max_tokens": 16,
+# temperature 0: greedy decoding, so the real engine gives every path the same answer length.
+BODY = json.dumps({"model": "synthetic", "max_tokens": 16, "temperature": 0,
                    "messages": [{"role": "user", "content": "what does a zero layer cost?"}]}).encode()
+TINY_MODEL = HERE.parent / ".models" / "tiny-llama"
+ENGINE = "synthetic"  # set from --engine
 HEADERS = {"x-api-key": KEY, "content-type": "application/json", "x-zerolayer-priority": "normal"}
 
 
@@ -62,6 +66,24 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / ticks
 
 
+def children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (vLLM's engine-core and worker processes)."""
+    parents: dict[int, list[int]] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(parents.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(parents.get(child, ()))
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -74,20 +96,32 @@ async def direct(n_latency: int, n_throughput: int, concurrency: int) -> dict:
     from zerolayer.runtime.engine.base import SamplingOptions
     from zerolayer.runtime.engine.synthetic import SyntheticEngine
 
-    engine = SyntheticEngine()
+    if ENGINE == "vllm":
+        from zerolayer.runtime.engine.vllm_engine import VllmEngine
+
+        engine = VllmEngine(str(TINY_MODEL), served_name="synthetic", max_model_len=1024, max_num_seqs=16,
+                            kv_cache_memory_bytes=64 * 1024 * 1024)
+    else:
+        engine = SyntheticEngine()
     await engine.start()
+    ids = iter(range(10**9))
 
     async def call() -> None:
         req = anthropic.parse(BODY)
         prompt = await engine.render(req.model, req.messages)
         parts, tokens = [], 0
-        async for delta in engine.generate(prompt, SamplingOptions(req.max_tokens), "r", 1):
+        options = SamplingOptions(req.max_tokens, temperature=req.temperature)
+        async for delta in engine.generate(prompt, options, f"r{next(ids)}", 1):
             parts.append(delta.text)
             tokens += delta.token_count
         dumps(anthropic.message("m", req.model, "".join(parts), "end_turn",
                                 {"input_tokens": prompt.token_count, "output_tokens": tokens}))
 
-    return await measure(call, n_latency, n_throughput, concurrency, pids=[os.getpid()])
+    try:
+        # vLLM's engine core runs in child processes: count their CPU too.
+        return await measure(call, n_latency, n_throughput, concurrency, pids=[os.getpid(), *children(os.getpid())])
+    finally:
+        await engine.close()
 
 
 async def measure(call, n_latency: int, n_throughput: int, concurrency: int, pids: list[int]) -> dict:  # type: ignore[no-untyped-def]
@@ -115,7 +149,7 @@ async def measure(call, n_latency: int, n_throughput: int, concurrency: int, pid
     }
 
 
-async def wait_ready(url: str, timeout: float = 60) -> None:
+async def wait_ready(url: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as client:
         while time.monotonic() < deadline:
@@ -131,7 +165,9 @@ async def zerolayer(n_latency: int, n_throughput: int, concurrency: int, http2: 
     port = free_port()
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
-        "engine": {"kind": "synthetic", "models": ["synthetic"]},
+        "engine": {"kind": "synthetic", "models": ["synthetic"]} if ENGINE == "synthetic" else {
+            "kind": "vllm", "model_path": str(TINY_MODEL), "served_name": "synthetic", "max_model_len": 1024,
+            "max_num_seqs": 16, "kv_cache_memory_bytes": 64 * 1024 * 1024},
         "tenants": [{"name": "bench", "keys": [{"env": "BENCH_KEY"}]}],
         "limits": {"max_concurrent_streams": 1024},
     }
@@ -153,7 +189,7 @@ async def zerolayer(n_latency: int, n_throughput: int, concurrency: int, http2: 
                 response = await client.post(url, content=BODY, headers=HEADERS)
                 assert response.status_code == 200, response.text
 
-            return await measure(call, n_latency, n_throughput, concurrency, pids=[proc.pid])
+            return await measure(call, n_latency, n_throughput, concurrency, pids=[proc.pid, *children(proc.pid)])
     finally:
         proc.terminate()
         proc.wait(30)
@@ -162,7 +198,8 @@ async def zerolayer(n_latency: int, n_throughput: int, concurrency: int, http2: 
 
 async def proxy(n_latency: int, n_throughput: int, concurrency: int) -> dict:
     engine_port, proxy_port = free_port(), free_port()
-    env = {**os.environ, "BENCH_KEY": KEY, "BENCH_UPSTREAM": f"http://127.0.0.1:{engine_port}"}
+    env = {**os.environ, "BENCH_KEY": KEY, "BENCH_UPSTREAM": f"http://127.0.0.1:{engine_port}",
+           "BENCH_ENGINE": ENGINE, "BENCH_MODEL": str(TINY_MODEL)}
     uvicorn = [sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "--log-level", "warning",
                "--no-access-log", "--host", "127.0.0.1"]
     procs = [subprocess.Popen([*uvicorn, "--port", str(engine_port), "runtime_baseline:engine_app"], env=env),
@@ -177,7 +214,8 @@ async def proxy(n_latency: int, n_throughput: int, concurrency: int) -> dict:
                 response = await client.post(url, content=BODY, headers=HEADERS)
                 assert response.status_code == 200, response.text
 
-            return await measure(call, n_latency, n_throughput, concurrency, pids=[p.pid for p in procs])
+            pids = [pid for p in procs for pid in (p.pid, *children(p.pid))]
+            return await measure(call, n_latency, n_throughput, concurrency, pids=pids)
     finally:
         for p in procs:
             p.terminate()
@@ -189,7 +227,7 @@ async def proxy(n_latency: int, n_throughput: int, concurrency: int) -> dict:
 def report(results: dict[str, dict], args: argparse.Namespace) -> str:
     base = results["direct"]
     lines = [
-        f"runtime overhead: synthetic engine, 16 output tokens, non-streaming /v1/messages; "
+        f"runtime overhead: {ENGINE} engine, 16 output tokens max, non-streaming /v1/messages; "
         f"latency over {args.requests} sequential requests, throughput over {args.throughput_requests} "
         f"requests at concurrency {args.concurrency}; {os.cpu_count()} CPUs shared with the load generator",
         "",
@@ -239,7 +277,7 @@ def plot(results: dict[str, dict], path: pathlib.Path) -> None:
     ax2.bar(names[1:], [results[n]["rps_per_cpu_s"] for n in names[1:]],
             color=["tab:green", "tab:olive", "tab:red"][: len(names) - 1])
     ax2.set_ylabel("requests per server CPU-second")
-    fig.suptitle("zerolayer runtime vs a FastAPI proxy in front of a model server (synthetic engine)")
+    fig.suptitle(f"zerolayer runtime vs a FastAPI proxy in front of a model server ({ENGINE} engine)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -249,8 +287,16 @@ async def main() -> int:
     parser.add_argument("--requests", type=int, default=400, help="sequential requests for latency")
     parser.add_argument("--throughput-requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--engine", choices=("synthetic", "vllm"), default="synthetic",
+                        help="vllm: the tiny generated model (python -m zerolayer.runtime.tinymodel) on vLLM")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
+    global ENGINE
+    ENGINE = args.engine
+    if ENGINE == "vllm":
+        from zerolayer.runtime import tinymodel
+
+        tinymodel.generate(TINY_MODEL)
     results = {}
     paths = (("direct", direct), ("zerolayer", zerolayer),
              ("zerolayer-h1", lambda *a: zerolayer(*a, http2=False)), ("proxy", proxy))
@@ -261,8 +307,9 @@ async def main() -> int:
     print(text)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "runtime_overhead.txt").write_text(text + "\n")
-    plot(results, out / "runtime_overhead.png")
+    stem = "runtime_overhead" if ENGINE == "synthetic" else "runtime_overhead_vllm"
+    (out / f"{stem}.txt").write_text(text + "\n")
+    plot(results, out / f"{stem}.png")
     return 0
 
 

@@ -1,10 +1,12 @@
-"""``zerolayer runtime``: serve one node from a standalone YAML config."""
+"""``zerolayer runtime``: serve one node from a standalone YAML config, or in cluster from its InferenceNode."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
+import pathlib
 import sys
 
 from zerolayer.runtime.errors import RuntimeServerError
@@ -16,7 +18,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="serve LLM inference over HTTP/2 (and HTTP/1.1) from a standalone config",
         description="Run the zero-layer runtime: HTTP/2 server, micro-scheduler and engine in one process.",
     )
-    parser.add_argument("--config", required=True, help="standalone YAML config (see examples/standalone.yaml)")
+    parser.add_argument("--config", help="standalone YAML config (see examples/standalone.yaml); with --in-cluster, "
+                                          "the base the InferenceNode's settings are laid over")
+    parser.add_argument("--in-cluster", action="store_true",
+                        help="read this node's InferenceNode (--node-name) and serve the tenants of the "
+                             "cluster's TenantQuotas and their Secrets, applying changes without a restart "
+                             "(implied by --node-name without --config)")
+    parser.add_argument("--tenant-namespace", default=os.environ.get("POD_NAMESPACE", "zerolayer-system"),
+                        help="namespace of key Secrets that a TenantQuota names without one (default: the pod's)")
+    parser.add_argument("--tenant-sync-seconds", type=float, default=10.0,
+                        help="how often TenantQuotas and Secrets are re-read in cluster (default 10)")
     parser.add_argument("--port", type=int, default=None, help="override listen.port")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
     from zerolayer.runtime.gossip.hook import add_gossip_arguments
@@ -30,10 +41,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from zerolayer.runtime.config import build_server, load_config
+    from zerolayer.runtime.config import build_server, load_config, load_mapping, parse_config
 
+    reader = None
+    node = getattr(args, "node_name", None) or os.environ.get("ZEROLAYER_NODE_NAME")
     try:
-        config = load_config(args.config)
+        # The operator's pods run `zerolayer runtime --node-name=N ...` with no config file: that is in-cluster mode.
+        if args.in_cluster or (not args.config and node):
+            from zerolayer.runtime.incluster import KubeReader, config_from_inferencenode
+
+            if not node:
+                raise RuntimeServerError("--in-cluster needs --node-name (or ZEROLAYER_NODE_NAME)")
+            reader = KubeReader(getattr(args, "kubeconfig", None))
+            inode = reader.inference_node(node)
+            if inode is None:
+                raise RuntimeServerError(f"InferenceNode {node} not found")
+            base = load_mapping(args.config) if args.config else {}
+            config = parse_config(config_from_inferencenode(inode, base), pathlib.Path.cwd())
+        elif args.config:
+            config = load_config(args.config)
+        else:
+            raise RuntimeServerError("give --config FILE, or --in-cluster / --node-name NODE")
         server = build_server(config, port=args.port)
     except RuntimeServerError as exc:
         print(f"zerolayer runtime: {exc}", file=sys.stderr)
@@ -51,13 +79,24 @@ def run(args: argparse.Namespace) -> int:
         from zerolayer.bpf.hook import attach_token_probe
 
         probe = attach_token_probe(args, server)  # USDT token events (+ counters, journal with --audit-spool)
+        sync = None
+        if reader is not None:
+            from zerolayer.runtime.incluster import TenantSync
+
+            sync = TenantSync(reader, server.replace_tenants, namespace=args.tenant_namespace,
+                              interval_s=args.tenant_sync_seconds)
+            await sync.sync_once()  # serve with the cluster's tenants from the first request
         await server.start()
+        if sync is not None:
+            sync.start()
         agent = await start_node_agent(args, server)  # SIGUSR1 release; gossip with --node-name
         print(f"zerolayer runtime serving on {server.base_url} (engine: {server.engine.kind}, "
               f"models: {', '.join(server.engine.models)})", flush=True)
         try:
             await server.serve_forever()
         finally:
+            if sync is not None:
+                await sync.stop()
             await agent.stop()
             probe.close()
 

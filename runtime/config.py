@@ -146,7 +146,7 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
     )
 
 
-def load_config(path: str | pathlib.Path, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+def load_mapping(path: str | pathlib.Path) -> dict[str, Any]:
     path = pathlib.Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -154,7 +154,11 @@ def load_config(path: str | pathlib.Path, environ: Mapping[str, str] | None = No
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
-    return parse_config(data, path.resolve().parent, environ)
+    return _mapping(data, str(path))
+
+
+def load_config(path: str | pathlib.Path, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+    return parse_config(load_mapping(path), pathlib.Path(path).resolve().parent, environ)
 
 
 def _resolve(config: RuntimeConfig, value: str) -> str:
