@@ -65,7 +65,6 @@ class H1ServerCore:
     def receive(self, data: bytes) -> list[Event]:
         if self.ended:
             return []
-        self.last_activity = self.clock()
         out: list[Event] = []
         self._conn.receive_data(data)
         self._drain_events(out)
@@ -106,6 +105,7 @@ class H1ServerCore:
                 return
 
     def _on_request(self, event: h11.Request, out: list[Event]) -> None:
+        self.last_activity = self.clock()
         sid = self._next_id
         self._next_id += 2
         headers: dict[str, str] = {}
@@ -179,6 +179,7 @@ class H1ServerCore:
     def send_data(self, sid: int, data: bytes, end: bool = False) -> None:
         if self.ended or sid != self._sid or self._response_done:
             return
+        self.last_activity = self.clock()
         try:
             if data:
                 self._out += self._conn.send(h11.Data(data=data))

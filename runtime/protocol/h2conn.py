@@ -164,7 +164,6 @@ class H2ServerCore:
         """Feed bytes from the peer; returns the events they complete."""
         if self.ended:
             return []
-        self.last_activity = self.clock()
         out: list[Event] = []
         try:
             h2_events = self._conn.receive_data(data)
@@ -223,6 +222,8 @@ class H2ServerCore:
 
     def _on_request(self, event: h2.events.RequestReceived, out: list[Event]) -> None:
         sid = event.stream_id
+        # Activity means requests and their data: PING ACKs and WINDOW_UPDATEs don't keep a connection alive.
+        self.last_activity = self.clock()
         if self.draining and sid > self._drain_last_stream:
             self._conn.reset_stream(sid, H2_REFUSED_STREAM)
             return
@@ -268,6 +269,7 @@ class H2ServerCore:
     def _on_data(self, event: h2.events.DataReceived, out: list[Event]) -> None:
         sid = event.stream_id
         stream = self._streams.get(sid)
+        self.last_activity = self.clock()
         # Flow control is credited back at once in every case: the body is bounded by max_body.
         if event.flow_controlled_length:
             self._conn.acknowledge_received_data(event.flow_controlled_length, sid)
@@ -320,6 +322,7 @@ class H2ServerCore:
         stream = self._streams.get(sid)
         if self.ended or stream is None or stream.local_ended:
             return
+        self.last_activity = self.clock()
         if data:
             stream.out.append(bytes(data))
             stream.out_bytes += len(data)

@@ -231,3 +231,14 @@ async def test_cli_serves_and_drains_on_sigterm(tmp_path):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_idle_connections_are_pinged_then_closed():
+    limits = Limits(ping_interval_s=0.2, idle_timeout_s=1.0)
+    async with start_runtime(limits=limits) as server, H2Client(server.port) as client:
+        sid = await client.request("/healthz", method="GET")
+        await asyncio.wait_for(client.streams[sid].done.wait(), 5)
+        await asyncio.wait_for(client.closed.wait(), 10)  # idle past the timeout: closed by the server
+        assert server.metrics.value("zerolayer_h2_pings_sent_total") >= 1
+        assert server.metrics.value("zerolayer_idle_connections_closed_total") == 1
+        assert client.goaway is not None and client.goaway.error_code == H2_NO_ERROR
