@@ -34,6 +34,33 @@ WORDS = 40
 WARMUP_S = 3.0  # from idle to 2x the KV cache fills within one sample period; measure the steady state
 
 
+#: the ratio is meaningless when the machine is so busy that the event loop itself lags:
+#: above this p99 loop lag (a tenth of an engine step) the latency claim is skipped, saying why
+MAX_LOOP_LAG_S = 0.02
+
+
+class LoopLag:
+    """Measures how late a 5 ms sleep wakes up, i.e. how starved this process is of CPU."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(0.005)
+            self.samples.append(time.monotonic() - start - 0.005)
+
+    def __enter__(self) -> "LoopLag":
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
 def p99(values: list[float]) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * 0.99))]
@@ -65,8 +92,9 @@ async def test_twice_capacity_high_keeps_its_ttft_and_low_absorbs_the_refusals()
         prompt = await engine.render("synthetic", [ChatMessage("user", " ".join(["hello"] * WORDS))])
         capacity = engine.capacity_rps(prompt.token_count)
         async with H2LoadClient("127.0.0.1", server.port) as client:
-            unloaded = await offered_load(client, 0.3 * capacity, 1.0, 6.0, seed=1)
-            overload = await offered_load(client, 2.0 * capacity, 0.3, 12.0, seed=2)
+            with LoopLag() as lag:
+                unloaded = await offered_load(client, 0.3 * capacity, 1.0, 6.0, seed=1)
+                overload = await offered_load(client, 2.0 * capacity, 0.3, 12.0, seed=2)
     finally:
         await server.stop(drain_timeout_s=1.0)
 
@@ -83,14 +111,19 @@ async def test_twice_capacity_high_keeps_its_ttft_and_low_absorbs_the_refusals()
     assert refused_low and all(r.error_code == "RESOURCE_EXHAUSTED" for r in refused_low)
     assert all(r.error_code == "RESOURCE_EXHAUSTED" for r in preempted_low)
 
-    steady_high = [r.ttft_s for p, at, r in overload if p == "high" and at >= WARMUP_S]
-    ratio = p99(steady_high) / p99([r.ttft_s for r in base])
-    print(f"capacity {capacity:.1f} rps; high p99 TTFT ratio (2x load / unloaded) = {ratio:.2f}; "
-          f"low refused {len(refused_low)}, preempted {len(preempted_low)} of {len(low)}")
-    assert ratio <= 1.5
-
     counted = sched.registry.get_sample_value("zerolayer_scheduler_preempted_total", {
         "reason": "memory_pressure", "priority": "low", "code": "RESOURCE_EXHAUSTED"}) or 0.0
     assert counted == len(preempted_low)
     assert (sched.registry.get_sample_value("zerolayer_scheduler_refused_total", {
         "reason": "memory_pressure", "priority": "high", "code": "RESOURCE_EXHAUSTED"}) or 0.0) == 0
+
+    steady_high = [r.ttft_s for p, at, r in overload if p == "high" and at >= WARMUP_S]
+    ratio = p99(steady_high) / p99([r.ttft_s for r in base])
+    loop_lag = p99(lag.samples)
+    print(f"capacity {capacity:.1f} rps; high p99 TTFT ratio (2x load / unloaded) = {ratio:.2f}; "
+          f"low refused {len(refused_low)}, preempted {len(preempted_low)} of {len(low)}; "
+          f"event-loop lag p99 {loop_lag * 1000:.1f} ms")
+    if loop_lag > MAX_LOOP_LAG_S:
+        pytest.skip(f"machine too busy for a latency ratio: event-loop lag p99 {loop_lag * 1000:.0f} ms "
+                    f"(> {MAX_LOOP_LAG_S * 1000:.0f} ms); the count checks above passed; ratio was {ratio:.2f}")
+    assert ratio <= 1.5

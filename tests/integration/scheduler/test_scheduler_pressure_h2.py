@@ -151,7 +151,8 @@ async def test_fifty_concurrent_streams_cannot_overshoot_the_token_quota():
 
     from zerolayer.runtime.engine.base import ChatMessage
 
-    engine = SyntheticEngine(("synthetic",), output_tokens=4, tokens_per_second=2)  # no stream ends (and refunds) early
+    # every stream lasts ~3 s, so none ends (and refunds its reservation) while the 50 are decided
+    engine = SyntheticEngine(("synthetic",), output_tokens=4, tokens_per_second=1)
     limit = 500
     sched = MicroScheduler()
     async with running_server(engine=engine, scheduler=sched, tenants=[tenant(tokens_per_minute=limit)],
