@@ -11,7 +11,7 @@
 
     python bench/audit_overhead.py [--rounds 3] [--seconds 6] [--workers 16]
 
-Needs root and bcc (bpf/setup-host.sh); writes bench/results/audit_overhead.txt.
+Needs root and bcc (bpf/setup-host.sh); writes bench/results/audit_overhead_<engine>.txt.
 """
 
 from __future__ import annotations
@@ -42,10 +42,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def zerolayer(workdir: pathlib.Path, name: str, *args: str) -> subprocess.Popen[bytes]:
+PIN: dict[str, set[int]] = {}  # role -> CPUs, filled by --pin
+
+
+def zerolayer(workdir: pathlib.Path, name: str, *args: str, role: str = "") -> subprocess.Popen[bytes]:
     log = open(workdir / f"{name}.log", "wb")
+    cpus = PIN.get(role)
     try:
-        return subprocess.Popen([sys.executable, "-m", "zerolayer.cli", *args], stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "zerolayer.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     finally:
         log.close()
 
@@ -67,7 +72,7 @@ def listening(port: int) -> bool:
 
 
 def start_auditor(workdir: pathlib.Path, name: str, *args: str) -> subprocess.Popen[bytes]:
-    proc = zerolayer(workdir, name, "auditor", "--source", "bpf", *args)
+    proc = zerolayer(workdir, name, "auditor", "--source", "bpf", *args, role="auditor")
     wait_for(lambda: "bpf mode" in (workdir / f"{name}.log").read_text(errors="replace") or proc.poll() is not None,
              "the auditor")
     if proc.poll() is not None:
@@ -80,10 +85,10 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(60)
 
 
-async def drive(port: int, seconds: float, workers: int) -> int:
-    """Output tokens received by ``workers`` streaming clients in ``seconds``."""
+async def drive(port: int, seconds: float, workers: int, model: str = "synthetic") -> int:
+    """Output tokens received by ``workers`` streaming clients in ``seconds`` (from the usage they report)."""
     received = 0
-    body = {"model": "synthetic", "max_tokens": 64, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": model, "max_tokens": 64, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     deadline = time.monotonic() + seconds
 
     async def worker() -> None:
@@ -93,8 +98,8 @@ async def drive(port: int, seconds: float, workers: int) -> int:
                 async with client.stream("POST", f"http://127.0.0.1:{port}/v1/messages", json=body,
                                          headers={"x-api-key": KEY}) as r:
                     async for line in r.aiter_lines():
-                        if line.startswith("data: ") and '"content_block_delta"' in line:
-                            received += 1
+                        if line.startswith("data: ") and '"message_delta"' in line:
+                            received += json.loads(line[6:])["usage"]["output_tokens"]
 
     await asyncio.gather(*(worker() for _ in range(workers)))
     return received
@@ -106,28 +111,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int) -> list[str]:
+def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int, engine: str) -> list[str]:
     config = workdir / "runtime.json"
+    model = "synthetic"
+    spec: dict[str, object] = {"kind": "synthetic", "models": ["synthetic"], "output_tokens": 64}
+    if engine == "vllm":
+        model = "tiny-llama"
+        spec = {"kind": "vllm", "model_path": str(workdir / "tiny-llama"), "generate_tiny_model": True,
+                "served_name": model, "max_model_len": 512, "max_num_seqs": workers,
+                "kv_cache_memory_bytes": 128 << 20}
     config.write_text(json.dumps({
         "listen": {"host": "127.0.0.1", "port": 0},
-        "engine": {"kind": "synthetic", "models": ["synthetic"], "output_tokens": 64},
+        "engine": spec,
         "tenants": [{"name": "bench", "keys": [{"sha256": hashlib.sha256(KEY.encode()).hexdigest()}]}]}))
     port = free_port()
     runtime = zerolayer(workdir, "runtime", "runtime", "--config", str(config), "--port", str(port),
-                        "--audit-spool", str(workdir / "spool"))
+                        "--audit-spool", str(workdir / "spool"), role="runtime")
     rates: dict[str, list[float]] = {"detached": [], "attached": []}
     cpu: dict[str, list[float]] = {"detached": [], "attached": []}  # runtime CPU microseconds per token
     auditor_cpu: list[float] = []
     try:
-        wait_for(lambda: listening(port), "the runtime")
-        asyncio.run(drive(port, 1.0, workers))  # warm-up
+        wait_for(lambda: listening(port), "the runtime", 300)
+        asyncio.run(drive(port, 2.0, workers, model))  # warm-up
         for i in range(rounds):
             for mode in ("detached", "attached"):
                 auditor = start_auditor(workdir, f"auditor-{i}", "--db", str(workdir / "tp.db")) \
                     if mode == "attached" else None
                 before = cpu_seconds(runtime.pid)
                 audit_before = cpu_seconds(auditor.pid) if auditor is not None else 0.0
-                tokens = asyncio.run(drive(port, seconds, workers))
+                tokens = asyncio.run(drive(port, seconds, workers, model))
                 rates[mode].append(tokens / seconds)
                 cpu[mode].append((cpu_seconds(runtime.pid) - before) * 1e6 / max(tokens, 1))
                 if auditor is not None:
@@ -140,7 +152,7 @@ def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int)
     det, att = (sorted(rates[m])[rounds // 2] for m in ("detached", "attached"))  # medians
     cdet, catt = (sorted(cpu[m])[rounds // 2] for m in ("detached", "attached"))
     acpu = sorted(auditor_cpu)[rounds // 2]
-    return [f"{'runtime (median of ' + str(rounds) + ' rounds)':40} {'tokens/s':>12} {'vs detached':>12} "
+    return [f"{engine + ' runtime, median of ' + str(rounds) + ' rounds':40} {'tokens/s':>12} {'vs detached':>12} "
             f"{'CPU us/tok':>11} {'vs detached':>12}",
             f"{'auditor detached':40} {det:12.0f} {1.0:12.3f} {cdet:11.1f} {1.0:12.3f}",
             f"{'auditor attached (BPF)':40} {att:12.0f} {att / det:12.3f} {catt:11.1f} {catt / cdet:12.3f}",
@@ -150,7 +162,9 @@ def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int)
 EMITTER = """
 import sys, time
 from zerolayer.bpf.probes import TokenProbe
-probe, n, end = TokenProbe(), 0, time.monotonic() + float(sys.argv[1])
+probe = TokenProbe()
+sys.stdin.readline()  # go
+n, end = 0, time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
     for _ in range(1000):
         probe.emit("bench", "msg_bench", "synthetic", 0, 1)
@@ -161,10 +175,11 @@ print(n)
 
 def capacity(workdir: pathlib.Path, seconds: float, emitters: int, ring_mb: float) -> str:
     db = workdir / f"cap-{ring_mb}.db"
-    auditor = start_auditor(workdir, f"cap-{ring_mb}", "--db", str(db), "--ring-buffer-mb", str(ring_mb))
-    procs = [subprocess.Popen([sys.executable, "-c", EMITTER, str(seconds)], stdout=subprocess.PIPE)
-             for _ in range(emitters)]
-    emitted = sum(int(p.communicate()[0]) for p in procs)
+    procs = [subprocess.Popen([sys.executable, "-c", EMITTER, str(seconds)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE) for _ in range(emitters)]
+    pids = [a for p in procs for a in ("--pid", str(p.pid))]  # only our emitters, not other probe users
+    auditor = start_auditor(workdir, f"cap-{ring_mb}", "--db", str(db), "--ring-buffer-mb", str(ring_mb), *pids)
+    emitted = sum(int(p.communicate(b"go\n")[0]) for p in procs)
     stop(auditor)
     con = sqlite3.connect(db)
     written = con.execute("SELECT count(*) FROM token_events").fetchone()[0]
@@ -174,29 +189,50 @@ def capacity(workdir: pathlib.Path, seconds: float, emitters: int, ring_mb: floa
             f"{lost:10d} {lost / emitted:9.2%} {emitted - written - lost:8d}")
 
 
+def capacity_table(workdir: pathlib.Path, seconds: float, emitters: int) -> list[str]:
+    lines = [f"{'auditor capacity (USDT flood)':40} {'emitted/s':>12} {'stored/s':>12} {'lost':>10} "
+             f"{'lost %':>9} {'other':>8}"]
+    for ring in (16.0, 0.25):
+        lines.append(capacity(workdir, seconds, emitters, ring))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--emitters", type=int, default=2)
+    parser.add_argument("--engine", choices=("synthetic", "vllm"), default="synthetic",
+                        help="synthetic: no model cost, the harshest ratio; vllm: the real tiny model on CPU")
+    parser.add_argument("--skip-capacity", action="store_true")
+    parser.add_argument("--pin", action="store_true",
+                        help="runtime alone on CPU 0; clients and auditor on the other CPUs (the auditor's own "
+                             "CPU then does not compete with the runtime: what the runtime itself pays)")
     args = parser.parse_args()
+    if args.pin:
+        others = set(range(1, os.cpu_count() or 2))
+        PIN.update(runtime={0}, auditor=others)
+        os.sched_setaffinity(0, others)  # the load generator
     from zerolayer.bpf.loader import check_kernel
 
     check_kernel()
-    lines = []
+    lines = [f"pinning: {'runtime on CPU 0, clients and auditor on the others' if args.pin else 'none'}; "
+             f"{os.cpu_count()} CPUs"]
     with tempfile.TemporaryDirectory(prefix="audit-bench-") as tmp:
         workdir = pathlib.Path(tmp)
-        lines += throughput(workdir, args.rounds, args.seconds, args.workers)
+        lines += throughput(workdir, args.rounds, args.seconds, args.workers, args.engine)
         lines.append("")
-        lines.append(f"{'auditor capacity (USDT flood)':40} {'emitted/s':>12} {'stored/s':>12} {'lost':>10} "
-                     f"{'lost %':>9} {'other':>8}")
-        for ring in (16.0, 0.25):
-            lines.append(capacity(workdir, args.seconds, args.emitters, ring))
+    with tempfile.TemporaryDirectory(prefix="audit-bench-") as tmp:
+        workdir = pathlib.Path(tmp)
+        if args.skip_capacity:
+            lines.append("(capacity skipped)")
+        else:
+            lines += capacity_table(workdir, args.seconds, args.emitters)
     text = "\n".join(lines)
     print(text)
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "audit_overhead.txt").write_text(text + "\n")
+    (HERE / "results" / f"audit_overhead_{args.engine}.txt").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -144,10 +144,13 @@ class SqliteStore:
             written = duplicates = 0
             hwm: dict[str, int] = {}
             fresh: list[tuple[Any, ...]] = []  # above the runtime's high-water mark: new by construction
-            counted: list[TokenEvent] = []
+            counted: list[tuple[str, TokenEvent]] = []
             seen: set[tuple[str, int]] = set()
+            ids: dict[int, str] = {}
             for e in events:
-                rid = f"{e.runtime_id:016x}"
+                rid = ids.get(e.runtime_id)
+                if rid is None:
+                    rid = ids[e.runtime_id] = f"{e.runtime_id:016x}"
                 if rid not in pruned:
                     row = db.execute("SELECT pruned_seq, hwm FROM runtimes WHERE runtime_id=?", (rid,)).fetchone()
                     pruned[rid], hwm[rid] = row if row else (0, 0)
@@ -170,15 +173,14 @@ class SqliteStore:
                     if cur.rowcount == 0:
                         duplicates += 1
                         continue
-                counted.append(e)
+                counted.append((rid, e))
             if fresh:
                 before = db.total_changes
                 db.executemany("INSERT INTO token_events VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
                                "ON CONFLICT (runtime_id, seq) DO NOTHING", fresh)
                 if db.total_changes - before != len(fresh):
                     raise StoreError("events above the high-water mark were already stored: the store is corrupt")
-            for e in counted:
-                rid = f"{e.runtime_id:016x}"
+            for rid, e in counted:
                 written += 1
                 req = 1 if e.first else 0
                 u = usage.setdefault((minute_of(e.wall_ns), e.tenant, e.model), [0, 0, 0, 0])
