@@ -52,9 +52,6 @@ def _run(args: argparse.Namespace) -> int:
         if not sep or not key:
             raise SystemExit(f"zerolayer operator: --selector {item!r}: use KEY=VALUE")
         selector[key] = value
-    if args.kubeconfig:
-        # kopf's own login (for its watches) reads $KUBECONFIG; our client gets the path directly.
-        os.environ["KUBECONFIG"] = args.kubeconfig
     kopf.configure(verbose=args.log_level == "debug", quiet=args.log_level == "warning")
     logging.getLogger().setLevel(args.log_level.upper())
     if args.log_level != "debug":

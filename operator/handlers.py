@@ -27,6 +27,12 @@ _INODE = {"group": m.GROUP, "version": m.VERSION, "plural": "inferencenodes"}
 _TQUOTA = {"group": m.GROUP, "version": m.VERSION, "plural": "tenantquotas"}
 OURS = {"app.kubernetes.io/managed-by": "zerolayer-operator"}
 FINALIZER = "zerolayer.io/finalizer"
+# Kinds whose every event reaches Kube.observe below (namespaced ones in the runtime namespace).
+WATCHED_KINDS = (("v1", "Node", False), ("v1", "Service", True), ("v1", "ServiceAccount", True),
+                 ("apps/v1", "DaemonSet", True), ("networking.k8s.io/v1", "NetworkPolicy", True),
+                 ("rbac.authorization.k8s.io/v1", "Role", True), ("rbac.authorization.k8s.io/v1", "RoleBinding", True),
+                 ("rbac.authorization.k8s.io/v1", "ClusterRole", False),
+                 ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", False))
 
 
 def plain(value: Any) -> Any:
@@ -82,16 +88,19 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         settings.watching.server_timeout = 300
         # Probe handlers are not retried for long: /healthz must answer, not hang.
         settings.execution.max_workers = 4
-        memo.reconciler = Reconciler(Kube(Credentials.load(kubeconfig), on_request=metrics.on_request,
-                                          crd_cache_seconds=config.resync_seconds),
-                                     config, observe=metrics.observe, selector=selector)
+        kube = Kube(Credentials.load(kubeconfig), on_request=metrics.on_request,
+                    crd_cache_seconds=config.resync_seconds)
+        ns = config.runtime_namespace
+        for api_version, kind, namespace in WATCHED_KINDS:
+            kube.watch(api_version, kind, ns if namespace else None)
+        memo.reconciler = Reconciler(kube, config, observe=metrics.observe, selector=selector)
         memo.ready_seen = {}
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # A private registry has no default login handlers; use the kubernetes client's loaders
-        # (kubeconfig from $KUBECONFIG, else the pod's service account), as our own client does.
-        return kopf.login_via_client(**kwargs)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # A private registry has no default login handlers. kopf's watches use exactly the
+        # credentials our client uses (--kubeconfig, $KUBECONFIG, ~/.kube/config, in-cluster).
+        return kopf.ConnectionInfo(**Credentials.load(kubeconfig).connection_fields())
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
@@ -159,6 +168,7 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
     def child_deleted(group: str, version: str, plural: str) -> None:
         @kopf.on.event(group, version, plural, labels=OURS, id=f"{plural}-deleted", registry=registry)
         async def _deleted(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+            memo.reconciler.kube.observe(event.get("type"), plain(body))
             if event.get("type") == "DELETED":
                 await reconcile_owner(_owner(body), memo)
 
@@ -172,6 +182,7 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
 
     @kopf.on.event("apps", "v1", "daemonsets", labels=OURS, registry=registry)
     async def runtime_changed(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        memo.reconciler.kube.observe(event.get("type"), plain(body))
         status = body.get("status") or {}
         seen = (status.get("desiredNumberScheduled"), status.get("numberReady"),
                 status.get("updatedNumberScheduled"), status.get("observedGeneration"))
@@ -186,6 +197,7 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
 
     @kopf.on.event("", "v1", "nodes", registry=registry)
     async def node_changed(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        memo.reconciler.kube.observe(event.get("type"), plain(body))
         claims = set(memo.reconciler.node_index.get(body["metadata"]["name"]) or ())
         if not claims:
             return

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import dataclasses
 import datetime
 import json
@@ -153,6 +154,16 @@ class Credentials:
             raise KubeError(f"cannot load Kubernetes credentials: {exc}") from exc
         return cls(configuration)
 
+    def connection_fields(self) -> dict[str, Any]:
+        """The same credentials as keyword arguments of ``kopf.ConnectionInfo`` (for kopf's
+        own watches), so kopf and our client always talk to the same server as the same user."""
+        c = self._configuration
+        header = self.headers().get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        return {"server": self.server, "ca_path": c.ssl_ca_cert, "insecure": not c.verify_ssl,
+                "certificate_path": c.cert_file, "private_key_path": c.key_file,
+                "scheme": scheme or None, "token": token or None}
+
     def headers(self) -> dict[str, str]:
         # get_api_key_with_prefix runs the refresh hook, so rotated in-cluster tokens are picked up.
         token = self._configuration.get_api_key_with_prefix("BearerToken") or \
@@ -173,6 +184,13 @@ class Kube:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._crd_cache: dict[str, tuple[float, bool]] = {}
+        # Objects seen through watches (see observe()); only kinds and namespaces in
+        # _watched are served from here, because only those learn about deletions.
+        self._seen: dict[tuple[str, str, str | None, str], tuple[float, dict]] = {}
+        # A watch filtered by label stops telling us about an object whose label someone
+        # removed; entries are re-read after this long so even that drift is bounded.
+        self.cache_seconds = 300.0
+        self._watched: set[tuple[str, str, str | None]] = set()
         self._crd_cache_seconds = crd_cache_seconds
         self.identity = identity or socket.gethostname()
 
@@ -219,13 +237,58 @@ class Kube:
         error = NotFound if code == 404 else Conflict if code == 409 else KubeError
         raise error(f"{method} {path}: {code} {reason}: {message}", status=code, reason=reason)
 
+    # ----------------------------------------------------------------- watch-fed cache
+    def watch(self, api_version: str, kind: str, namespace: str | None = None) -> None:
+        """Declare that a watch feeds :meth:`observe` with every event of this kind (in this
+        namespace, or cluster-wide for None), so reads of it may be served from what it saw."""
+        self._watched.add((api_version, kind, namespace))
+
+    def observe(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        """Feed one watch event. Deletions drop the object; otherwise the newer version is kept."""
+        meta = obj.get("metadata") or {}
+        key = (obj.get("apiVersion", ""), obj.get("kind", ""), meta.get("namespace"), meta.get("name", ""))
+        if event_type == "DELETED":
+            self._seen.pop(key, None)
+        else:
+            self._remember(key, obj)
+
+    def _remember(self, key: tuple, obj: Mapping[str, Any]) -> None:
+        if not self._is_watched(key):
+            return
+        old = self._seen.get(key, (0.0, None))[1]
+        if old is not None:
+            new_rv, old_rv = obj.get("metadata", {}).get("resourceVersion", ""), \
+                old.get("metadata", {}).get("resourceVersion", "")
+            # resourceVersions are opaque by contract but etcd revisions in practice; an event
+            # that arrives after our own write's answer must not roll the cache back.
+            if new_rv.isdigit() and old_rv.isdigit() and int(new_rv) < int(old_rv):
+                return
+        self._seen[key] = (time.monotonic(), dict(obj))
+
+    def _is_watched(self, key: tuple) -> bool:
+        api_version, kind, namespace, _name = key
+        return (api_version, kind, namespace) in self._watched or (api_version, kind, None) in self._watched
+
     # ----------------------------------------------------------------- objects
-    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict | None:
-        """The object, or None when it does not exist."""
+    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None, *,
+                  cached: bool = False) -> dict | None:
+        """The object, or None when it does not exist.
+
+        ``cached``: answer from the watch-fed cache when the object is there (a converged
+        reconcile then costs no request); a miss still asks the API server, so absence is
+        never assumed from a watch that has not caught up.
+        """
+        key = (api_version, kind, namespace, name)
+        if cached and key in self._seen:
+            seen_at, obj = self._seen[key]
+            if time.monotonic() - seen_at < self.cache_seconds:
+                return copy.deepcopy(obj)
         try:
-            return await self.request("GET", path_of(api_version, kind, namespace, name))
+            obj = await self.request("GET", path_of(api_version, kind, namespace, name))
         except NotFound:
             return None
+        self._remember(key, obj)
+        return obj
 
     async def list(self, api_version: str, kind: str, namespace: str | None = None, *,
                    label_selector: str | None = None) -> list[dict]:
@@ -247,10 +310,13 @@ class Kube:
         api_version, kind = desired["apiVersion"], desired["kind"]
         meta = desired["metadata"]
         name, namespace = meta["name"], meta.get("namespace")
-        current = await self.get(api_version, kind, name, namespace)
+        key = (api_version, kind, namespace, name)
+        current = await self.get(api_version, kind, name, namespace, cached=True)
         if current is None:
             try:
-                return "created", await self.request("POST", path_of(api_version, kind, namespace), body=desired)
+                created = await self.request("POST", path_of(api_version, kind, namespace), body=desired)
+                self._remember(key, created)
+                return "created", created
             except Conflict:
                 # An earlier attempt (or a concurrent one) created it: compare instead.
                 current = await self.get(api_version, kind, name, namespace)
@@ -258,13 +324,20 @@ class Kube:
                     raise KubeError(f"{kind} {name} exists and does not: it is being deleted", status=409,
                                     reason="Conflict") from None
         if current.get("metadata", {}).get("deletionTimestamp"):
+            self._seen.pop(key, None)  # read it fresh next time
             raise KubeError(f"{kind} {name} is being deleted; will recreate it once it is gone", status=409,
                             reason="Conflict")
         want = _comparable(desired)
         if is_subset(want, current):
             return "unchanged", current
-        return "updated", await self.request("PATCH", path_of(api_version, kind, namespace, name), body=want,
-                                             content_type=MERGE_PATCH)
+        try:
+            patched = await self.request("PATCH", path_of(api_version, kind, namespace, name), body=want,
+                                         content_type=MERGE_PATCH)
+        except NotFound:
+            self._seen.pop(key, None)  # the cache was behind a deletion: the next reconcile creates it
+            raise
+        self._remember(key, patched)
+        return "updated", patched
 
     async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         """Delete (dependents in the background); False when it was already gone."""
@@ -275,12 +348,15 @@ class Kube:
             return True
         except NotFound:
             return False
+        finally:
+            self._seen.pop((api_version, kind, namespace, name), None)
 
     async def patch_labels(self, api_version: str, kind: str, name: str, labels: Mapping[str, str | None],
                            namespace: str | None = None) -> None:
         """Merge labels into an object's metadata; a None value removes that label."""
-        await self.request("PATCH", path_of(api_version, kind, namespace, name),
-                           body={"metadata": {"labels": dict(labels)}}, content_type=MERGE_PATCH)
+        patched = await self.request("PATCH", path_of(api_version, kind, namespace, name),
+                                     body={"metadata": {"labels": dict(labels)}}, content_type=MERGE_PATCH)
+        self._remember((api_version, kind, namespace, name), patched)
 
     async def patch_status(self, api_version: str, kind: str, name: str, status: Mapping[str, Any],
                            namespace: str | None = None) -> None:

@@ -171,7 +171,7 @@ class Reconciler:
             nodes.discard(name)
         self.node_index[node_name].add(name)
 
-        node = await self.kube.get("v1", "Node", node_name)
+        node = await self.kube.get("v1", "Node", node_name, cached=True)
         if node is None:
             self.missing_nodes.add(node_name)
             message = f"Kubernetes Node {node_name} does not exist; waiting for it to join the cluster"

@@ -51,7 +51,7 @@ class FakeKube:
         return sorted(k[3] for k in self.objects if k[1] == kind)
 
     # the Kube interface
-    async def get(self, api_version, kind, name, namespace=None):
+    async def get(self, api_version, kind, name, namespace=None, *, cached=False):
         obj = self.find(api_version, kind, name, namespace)
         return copy.deepcopy(obj) if obj else None
 

@@ -57,3 +57,63 @@ def test_layers():
             assert "kopf" not in imports, path.name
         if path.stem == "reconcile":
             assert "kopf" not in imports and "zerolayer.operator.handlers" not in imports
+
+
+class CountingKube(kube.Kube):
+    """Kube with its transport replaced by a dict of objects, to test the watch-fed cache."""
+
+    def __init__(self, objects):
+        self.objects, self.calls = objects, []
+        self._on_request = lambda *a: None
+        self._seen, self._watched, self._crd_cache = {}, set(), {}
+        self.cache_seconds = 300.0
+
+    async def request(self, method, path, *, body=None, content_type="application/json", query=None):
+        self.calls.append((method, path))
+        if method == "GET":
+            if path not in self.objects:
+                raise kube.NotFound("gone", status=404)
+            return self.objects[path]
+        if method == "PATCH":
+            return {**self.objects[path], "metadata": {**self.objects[path]["metadata"], "resourceVersion": "9"}}
+        raise AssertionError(method)
+
+
+def _ds(rv="5"):
+    return {"apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": "d", "namespace": "ns", "resourceVersion": rv, "labels": {"a": "b"}}}
+
+
+async def test_watched_objects_are_read_from_the_cache_and_deletions_drop_them():
+    path = "/apis/apps/v1/namespaces/ns/daemonsets/d"
+    k = CountingKube({path: _ds()})
+    k.watch("apps/v1", "DaemonSet", "ns")
+    assert (await k.get("apps/v1", "DaemonSet", "d", "ns", cached=True))["metadata"]["name"] == "d"
+    assert (await k.get("apps/v1", "DaemonSet", "d", "ns", cached=True)) is not None
+    assert len(k.calls) == 1  # the second read came from the cache
+    k.observe("MODIFIED", _ds(rv="4"))  # an older event must not roll the cache back
+    assert (await k.get("apps/v1", "DaemonSet", "d", "ns", cached=True))["metadata"]["resourceVersion"] == "5"
+    k.observe("DELETED", _ds())
+    del k.objects[path]
+    assert await k.get("apps/v1", "DaemonSet", "d", "ns", cached=True) is None
+    assert len(k.calls) == 2  # a miss asks the API server
+
+
+async def test_unwatched_kinds_are_never_cached():
+    path = "/apis/apps/v1/namespaces/other/daemonsets/d"
+    k = CountingKube({path: {**_ds(), "metadata": {**_ds()["metadata"], "namespace": "other"}}})
+    k.watch("apps/v1", "DaemonSet", "ns")
+    for _ in range(2):
+        await k.get("apps/v1", "DaemonSet", "d", "other", cached=True)
+    assert len(k.calls) == 2
+
+
+async def test_ensure_on_a_converged_object_makes_no_request():
+    path = "/apis/apps/v1/namespaces/ns/daemonsets/d"
+    k = CountingKube({path: _ds()})
+    k.watch("apps/v1", "DaemonSet", "ns")
+    k.observe("ADDED", _ds())
+    result, _ = await k.ensure(_ds())
+    assert result == "unchanged" and k.calls == []
+    result, obj = await k.ensure({**_ds(), "metadata": {**_ds()["metadata"], "labels": {"a": "c"}}})
+    assert result == "updated" and [c[0] for c in k.calls] == ["PATCH"]

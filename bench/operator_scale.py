@@ -1,0 +1,252 @@
+"""Operator at scale on the local control plane: N InferenceNodes on N kwok GPU nodes and M TenantQuotas.
+
+    python bench/operator_scale.py [--nodes 200] [--tenants 1000] [--resync 30] [--idle 60]
+
+Measures, for one ``zerolayer operator`` process started before the objects are created:
+
+- time until every InferenceNode and TenantQuota is Ready (the runtimes' heartbeats are written
+  by this script as soon as each InferenceNode exists: kwok pods are records, not processes);
+- API requests the operator made, counted by the API server itself: the operator runs as its own
+  ServiceAccount and a FlowSchema matching only that account makes API Priority and Fairness
+  count its requests (``apiserver_flowcontrol_dispatched_requests_total``), kopf's watches and
+  patches included; beside it, the operator's own counter by verb (its /metrics);
+- the same counts over an idle period after convergence (the resync timers' cost);
+- the operator's CPU seconds and peak RSS (/proc).
+
+The comparison it names: requests per object against the floor of a create-only operator
+(one write per child, per label and per status), and idle requests against one full read of
+every object per resync period. The cluster is reused when running, else brought up and taken
+down again. Everything the script creates is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import yaml
+
+from zerolayer.cluster.local import LocalCluster, node_manifest
+
+API = "zerolayer.io/v1alpha1"
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+_DISPATCHED = re.compile(r'^apiserver_flowcontrol_dispatched_requests_total\{(?P<l>[^}]*)\} (?P<v>\S+)$')
+_OURS = re.compile(r'^zerolayer_operator_api_requests_total\{(?P<l>[^}]*)\} (?P<v>\S+)$')
+
+
+def kubectl_apply(cluster: LocalCluster, items: list[dict], chunk: int = 200) -> None:
+    for i in range(0, len(items), chunk):
+        cluster.kubectl("apply", "-f", "-", "--server-side", "--force-conflicts", timeout=600,
+                        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items[i:i + chunk]}))
+
+
+def dispatched(cluster: LocalCluster, schema: str) -> float:
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    return sum(float(m.group("v")) for line in text.splitlines()
+               if (m := _DISPATCHED.match(line)) and f'flow_schema="{schema}"' in m.group("l"))
+
+
+def own_requests(port: int) -> dict[str, float]:
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    by_verb: dict[str, float] = {}
+    for line in text.splitlines():
+        if m := _OURS.match(line):
+            verb = re.search(r'verb="([^"]+)"', m.group("l")).group(1)
+            by_verb[verb] = by_verb.get(verb, 0) + float(m.group("v"))
+    return by_verb
+
+
+def proc_usage(pid: int) -> tuple[float, float]:
+    """(CPU seconds, peak RSS MiB) of a process."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    hwm = next(l for l in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("VmHWM"))
+    return cpu, int(hwm.split()[1]) / 1024
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=200)
+    ap.add_argument("--tenants", type=int, default=1000)
+    ap.add_argument("--resync", type=float, default=30.0, help="operator --resync-seconds")
+    ap.add_argument("--idle", type=float, default=60.0, help="seconds to count requests after convergence")
+    ap.add_argument("--timeout", type=float, default=1200.0)
+    args = ap.parse_args()
+
+    cluster = LocalCluster(log=lambda m: print(f"[cluster] {m}", flush=True))
+    started = cluster.up() == "started"
+    run = uuid.uuid4().hex[:6]
+    ns, label = f"zl-bench-{run}", f"zerolayer.io/bench={run}"
+    sa, schema = "zl-bench-operator", f"zl-bench-operator-{run}"
+    node_names = [f"zl-bench-{run}-n{i}" for i in range(args.nodes)]
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="zl-bench-"))
+    operator = None
+    rows: list[tuple[str, str]] = []
+    try:
+        cluster.kubectl("apply", "--server-side", "-f", str(pathlib.Path(__file__).resolve().parents[1] / "crds"))
+        cluster.kubectl("create", "namespace", ns)
+        kubectl_apply(cluster, [node_manifest(n) for n in node_names])
+        # The operator's own identity, so the API server can count its requests apart.
+        cluster.kubectl("create", "serviceaccount", sa, "-n", ns)
+        cluster.kubectl("create", "clusterrolebinding", schema, "--clusterrole=cluster-admin",
+                        f"--serviceaccount={ns}:{sa}")
+        kubectl_apply(cluster, [{
+            "apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema", "metadata": {"name": schema},
+            "spec": {"priorityLevelConfiguration": {"name": "workload-high"}, "matchingPrecedence": 500,
+                     "distinguisherMethod": {"type": "ByUser"},
+                     "rules": [{"subjects": [{"kind": "ServiceAccount", "serviceAccount": {"name": sa, "namespace": ns}}],
+                                "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
+                                                   "clusterScope": True, "namespaces": ["*"]}],
+                                "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]}}])
+        token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=4h").stdout.strip()
+        admin = yaml.safe_load(pathlib.Path(cluster.kubeconfig).read_text())
+        admin["users"] = [{"name": sa, "user": {"token": token}}]
+        for ctx in admin["contexts"]:
+            ctx["context"]["user"] = sa
+        kubeconfig = workdir / "operator.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(admin))
+
+        metrics_port = free_port()
+        log = open(workdir / "operator.log", "w")
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "zerolayer.cli", "operator", "--kubeconfig", str(kubeconfig),
+             "--runtime-namespace", ns, "--selector", label, "--resync-seconds", str(args.resync),
+             "--health-port", "0", "--metrics-port", str(metrics_port), "--log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, ZEROLAYER_RUNTIME_RESOURCES='{"requests": {"cpu": "10m", "memory": "16Mi"}}'))
+        time.sleep(3)
+        base = dispatched(cluster, schema)
+        t0 = time.monotonic()
+
+        key, value = label.split("=")
+        secrets = [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"t{i}-keys", "namespace": ns},
+                    "data": {"api-keys": base64.b64encode(f"key-{i}\n".encode()).decode()}}
+                   for i in range(args.tenants)]
+        tenants = [{"apiVersion": API, "kind": "TenantQuota", "metadata": {"name": f"t{i}-{run}", "labels": {key: value}},
+                    "spec": {"tenant": f"t{i}-{run}", "apiKeySecretRef": {"name": f"t{i}-keys", "namespace": ns},
+                             "namespaces": [f"team-{i}"], "tokensPerMinute": 1000, "requestsPerMinute": 60}}
+                   for i in range(args.tenants)]
+        inodes = [{"apiVersion": API, "kind": "InferenceNode", "metadata": {"name": f"{n}-inode", "labels": {key: value}},
+                   "spec": {"nodeName": n, "models": [{"name": "tiny", "source": "/models/tiny"}],
+                            "gossip": {"heartbeatSeconds": 10, "staleAfterSeconds": 86400}}}
+                  for n in node_names]
+        kubectl_apply(cluster, secrets + inodes + tenants)
+        created = time.monotonic() - t0
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        patch = json.dumps({"status": {"lastHeartbeat": now}})
+
+        def beat(name: str) -> None:
+            cluster.kubectl("patch", "inferencenode", name, "--subresource=status", "--type=merge", "-p", patch)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(beat, [d["metadata"]["name"] for d in inodes]))
+
+        def ready_counts() -> tuple[int, int]:
+            counts = []
+            for plural in ("inferencenodes", "tenantquotas"):
+                items = json.loads(cluster.kubectl("get", plural, "-l", label, "-o", "json", timeout=300).stdout)["items"]
+                counts.append(sum(1 for o in items for c in (o.get("status") or {}).get("conditions") or ()
+                                  if c["type"] == "Ready" and c["status"] == "True"))
+            return counts[0], counts[1]
+
+        deadline = t0 + args.timeout
+        progress_at, last = time.monotonic(), None
+        while time.monotonic() < deadline:
+            if operator.poll() is not None:
+                raise SystemExit(f"the operator exited ({operator.returncode}); see {workdir / 'operator.log'}")
+            ready = ready_counts()
+            if ready != last:
+                progress_at, last = time.monotonic(), ready
+            elif time.monotonic() - progress_at > 180:
+                raise SystemExit(f"no progress for 180 s; see {workdir / 'operator.log'}")
+            print(f"  t={time.monotonic() - t0:6.1f}s ready InferenceNodes {ready[0]}/{args.nodes}, "
+                  f"TenantQuotas {ready[1]}/{args.tenants}", flush=True)
+            if ready == (args.nodes, args.tenants):
+                break
+            time.sleep(5)
+        converged = time.monotonic() - t0
+        if ready != (args.nodes, args.tenants):
+            print("did not converge before --timeout", file=sys.stderr)
+        total = dispatched(cluster, schema) - base
+        cpu, rss = proc_usage(operator.pid)
+        own = own_requests(metrics_port)
+
+        idle_base, own_base = dispatched(cluster, schema), sum(own.values())
+        cpu_base = cpu
+        time.sleep(args.idle)
+        idle = dispatched(cluster, schema) - idle_base
+        own_idle = sum(own_requests(metrics_port).values()) - own_base
+        cpu_idle = proc_usage(operator.pid)[0] - cpu_base
+
+        objects = args.nodes + args.tenants
+        floor = args.nodes * (6 + 1 + 2) + args.tenants * (3 + 1)  # children + label + ~status writes
+        full_read = args.nodes * 8 + args.tenants * 4  # GETs of one reconcile per object
+        rows = [
+            ("objects", f"{args.nodes} InferenceNodes on {args.nodes} kwok nodes + {args.tenants} TenantQuotas"),
+            ("created by kubectl in", f"{created:.1f} s"),
+            ("time until all Ready", f"{converged:.1f} s ({objects / converged:.1f} objects/s)"),
+            ("API requests to converge (API server count)", f"{total:.0f} ({total / objects:.1f} per object; "
+                                                            f"{total / floor:.2f}x the write floor {floor})"),
+            ("  of which the operator's own client", ", ".join(f"{k} {v:.0f}" for k, v in sorted(own.items()))),
+            (f"API requests while idle, {args.idle:.0f} s", f"{idle:.0f} ({idle / args.idle:.1f}/s; own client "
+                                                            f"{own_idle:.0f}; one full read per resync would be "
+                                                            f"{full_read * args.idle / args.resync:.0f})"),
+            ("operator CPU to converge", f"{cpu:.1f} s ({cpu / converged * 100:.0f}% of one core)"),
+            ("operator CPU while idle", f"{cpu_idle:.1f} s ({cpu_idle / args.idle * 100:.0f}% of one core)"),
+            ("operator peak RSS", f"{rss:.0f} MiB"),
+            ("resync interval", f"{args.resync:.0f} s"),
+        ]
+    finally:
+        if operator is not None:
+            try:
+                print("cleaning up (the operator's finalizers run) ...", flush=True)
+                cluster.kubectl("delete", "inferencenodes,tenantquotas", "-l", label, "--wait=false", check=False)
+                deadline = time.monotonic() + 600
+                while time.monotonic() < deadline and cluster.kubectl(
+                        "get", "inferencenodes,tenantquotas", "-l", label, "-o", "name", check=False).stdout.strip():
+                    time.sleep(5)
+            finally:
+                operator.terminate()
+                operator.wait(timeout=60)
+        for obj in cluster.kubectl("get", "inferencenodes,tenantquotas", "-l", label, "-o", "name",
+                                   check=False).stdout.split():
+            cluster.kubectl("patch", obj, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+        cluster.kubectl("delete", "flowschema", schema, "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "clusterrolebinding", schema, "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "node", *node_names, "--wait=false", check=False, timeout=300)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        if started:
+            cluster.down(quiet=True)
+
+    width = max(len(k) for k, _ in rows)
+    table = "\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows)
+    print("\n" + table)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"operator_scale_{args.nodes}n_{args.tenants}t.md"
+    out.write_text(f"# Operator scale ({time.strftime('%Y-%m-%d', time.gmtime())}, local control plane, 2 shared CPU "
+                   f"cores)\n\n`python bench/operator_scale.py --nodes {args.nodes} --tenants {args.tenants} "
+                   f"--resync {args.resync:g} --idle {args.idle:g}`\n\n| measure | value |\n|---|---|\n{table}\n")
+    print(f"\nwritten to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
