@@ -29,6 +29,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -149,6 +150,45 @@ async def measure(call, n_latency: int, n_throughput: int, concurrency: int, pid
     }
 
 
+def duration_ms(text: str) -> float:
+    """h2load's durations: ``345us``, ``1.23ms``, ``1.2s``."""
+    for unit, scale in (("us", 0.001), ("ms", 1.0), ("s", 1000.0)):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text)
+
+
+async def h2load(url: str, *, http1: bool, n: int, concurrency: int, pids: list[int]) -> dict | None:
+    """Throughput under nghttp2's h2load (a C load generator: no Python client cost), if installed.
+
+    HTTP/2: one connection with ``concurrency`` streams in flight; HTTP/1.1: ``concurrency``
+    keep-alive connections. Returns req/s, req per server CPU-second and the mean request time.
+    """
+    binary = shutil.which("h2load")
+    if binary is None:
+        return None
+    with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
+        f.write(BODY)
+    shape = ["--h1", "-c", str(concurrency), "-m", "1"] if http1 else ["-c", "1", "-m", str(concurrency)]
+    cmd = [binary, "-n", str(n), *shape, "-d", f.name, "-H", f"x-api-key: {KEY}",
+           "-H", "content-type: application/json", url]
+    try:
+        cpu0 = cpu_seconds(pids)
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+        out = (await proc.communicate())[0].decode()
+        cpu = cpu_seconds(pids) - cpu0
+    finally:
+        os.unlink(f.name)
+    done = re.search(r"requests: \d+ total, \d+ started, \d+ done, (\d+) succeeded", out)
+    rate = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out)
+    mean = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", out)
+    if not (done and rate and int(done.group(1)) == n):
+        raise RuntimeError(f"h2load failed:\n{out[-2000:]}")
+    mean_ms = duration_ms(mean.group(1)) if mean else float("nan")
+    return {"rps": float(rate.group(1)), "rps_per_cpu_s": n / cpu if cpu > 0 else float("nan"), "mean_ms": mean_ms}
+
+
 async def wait_ready(url: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as client:
@@ -189,7 +229,10 @@ async def zerolayer(n_latency: int, n_throughput: int, concurrency: int, http2: 
                 response = await client.post(url, content=BODY, headers=HEADERS)
                 assert response.status_code == 200, response.text
 
-            return await measure(call, n_latency, n_throughput, concurrency, pids=[proc.pid, *children(proc.pid)])
+            pids = [proc.pid, *children(proc.pid)]
+            result = await measure(call, n_latency, n_throughput, concurrency, pids=pids)
+        result["h2load"] = await h2load(url, http1=not http2, n=n_throughput * 2, concurrency=concurrency, pids=pids)
+        return result
     finally:
         proc.terminate()
         proc.wait(30)
@@ -215,7 +258,9 @@ async def proxy(n_latency: int, n_throughput: int, concurrency: int) -> dict:
                 assert response.status_code == 200, response.text
 
             pids = [pid for p in procs for pid in (p.pid, *children(p.pid))]
-            return await measure(call, n_latency, n_throughput, concurrency, pids=pids)
+            result = await measure(call, n_latency, n_throughput, concurrency, pids=pids)
+        result["h2load"] = await h2load(url, http1=True, n=n_throughput * 2, concurrency=concurrency, pids=pids)
+        return result
     finally:
         for p in procs:
             p.terminate()
@@ -239,13 +284,31 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
                      f"{r['p99_ms'] - base['p99_ms']:10.3f} {r['rps']:8.0f} {r['rps_per_cpu_s']:10.0f}")
     p = results["proxy"]
     added = lambda r, k: r[k] - base[k]  # noqa: E731
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}x" if a > 0 and b > 0 else "n/a"
+
     lines += ["", "ratios against the proxy (>1 = zerolayer better):"]
     for name in ("zerolayer", "zerolayer-h1"):
         z = results[name]
         lines.append(
-            f"  {name:<13} added latency p50 {added(p, 'p50_ms') / added(z, 'p50_ms'):.2f}x, "
-            f"p99 {added(p, 'p99_ms') / added(z, 'p99_ms'):.2f}x; req/s {z['rps'] / p['rps']:.2f}x; "
-            f"req per server CPU-second {z['rps_per_cpu_s'] / p['rps_per_cpu_s']:.2f}x")
+            f"  {name:<13} added latency p50 {ratio(added(p, 'p50_ms'), added(z, 'p50_ms'))}, "
+            f"p99 {ratio(added(p, 'p99_ms'), added(z, 'p99_ms'))}; "
+            f"latency p50 {ratio(p['p50_ms'], z['p50_ms'])}, p99 {ratio(p['p99_ms'], z['p99_ms'])}; "
+            f"req/s {ratio(z['rps'], p['rps'])}; "
+            f"req per server CPU-second {ratio(z['rps_per_cpu_s'], p['rps_per_cpu_s'])}")
+    loaded = {n: r.get("h2load") for n, r in results.items() if r.get("h2load")}
+    if "proxy" in loaded and loaded:
+        hp = loaded["proxy"]
+        lines += ["", f"under h2load ({2 * args.throughput_requests} requests, {args.concurrency} in flight; "
+                      "a C client, so the servers are the bottleneck):",
+                  f"  {'path':<13} {'req/s':>8} {'req/cpu-s':>10} {'mean ms':>8}  ratio vs proxy (req/s, req/cpu-s)"]
+        for name, h in loaded.items():
+            lines.append(f"  {name:<13} {h['rps']:8.0f} {h['rps_per_cpu_s']:10.0f} {h['mean_ms']:8.2f}  "
+                         f"{ratio(h['rps'], hp['rps'])}, {ratio(h['rps_per_cpu_s'], hp['rps_per_cpu_s'])}")
+    if min(added(results[n], "p50_ms") for n in results if n != "direct") <= 0:
+        lines.append("  (added latency n/a: a path measured below the direct call. With vLLM the direct call shares")
+        lines.append("   the load generator's process and GIL with the engine client, so compare absolute latency.)")
     lines += [
         "",
         "direct = engine called in-process (no network); zerolayer = zerolayer runtime over h2c, one connection",
@@ -266,13 +329,17 @@ def plot(results: dict[str, dict], path: pathlib.Path) -> None:
     base = results["direct"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     width = 0.38
-    xs = range(len(names) - 1)
-    ax1.bar([x - width / 2 for x in xs], [results[n]["p50_ms"] - base["p50_ms"] for n in names[1:]], width,
+    # Added latency when every path is above the direct call; absolute latency otherwise (engine-bound runs).
+    absolute = any(results[n]["p50_ms"] <= base["p50_ms"] for n in names[1:])
+    shown = names if absolute else names[1:]
+    offset = {k: 0.0 if absolute else base[k] for k in ("p50_ms", "p99_ms")}
+    xs = range(len(shown))
+    ax1.bar([x - width / 2 for x in xs], [results[n]["p50_ms"] - offset["p50_ms"] for n in shown], width,
             label="p50")
-    ax1.bar([x + width / 2 for x in xs], [results[n]["p99_ms"] - base["p99_ms"] for n in names[1:]], width,
+    ax1.bar([x + width / 2 for x in xs], [results[n]["p99_ms"] - offset["p99_ms"] for n in shown], width,
             label="p99")
-    ax1.set_xticks(list(xs), names[1:])
-    ax1.set_ylabel("added latency vs direct call (ms)")
+    ax1.set_xticks(list(xs), shown)
+    ax1.set_ylabel("latency (ms)" if absolute else "added latency vs direct call (ms)")
     ax1.legend()
     ax2.bar(names[1:], [results[n]["rps_per_cpu_s"] for n in names[1:]],
             color=["tab:green", "tab:olive", "tab:red"][: len(names) - 1])
@@ -303,11 +370,12 @@ async def main() -> int:
     for name, path in paths:
         results[name] = await path(args.requests, args.throughput_requests, args.concurrency)
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
-    text = report(results, args)
-    print(text)
+    stem = "runtime_overhead" if ENGINE == "synthetic" else "runtime_overhead_vllm"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "runtime_overhead" if ENGINE == "synthetic" else "runtime_overhead_vllm"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = report(results, args)
+    print(text)
     (out / f"{stem}.txt").write_text(text + "\n")
     plot(results, out / f"{stem}.png")
     return 0

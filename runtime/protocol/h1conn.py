@@ -10,6 +10,7 @@ before any body byte is kept.
 
 from __future__ import annotations
 
+import http
 import time
 from typing import Callable
 
@@ -27,6 +28,14 @@ from zerolayer.runtime.protocol.events import (
     RequestReady,
     StreamAborted,
 )
+
+
+def _reason(status: int) -> bytes:
+    """A reason phrase: optional in HTTP/1.1, but some clients (h2load's parser) need one."""
+    try:
+        return http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Unknown"
 
 
 class H1ServerCore:
@@ -172,7 +181,7 @@ class H1ServerCore:
         if self.draining and not any(k == "connection" for k, _ in pairs):
             pairs.append(("connection", "close"))
         try:
-            self._out += self._conn.send(h11.Response(status_code=status, headers=pairs))
+            self._out += self._conn.send(h11.Response(status_code=status, headers=pairs, reason=_reason(status)))
         except h11.LocalProtocolError:
             self._finish([], "local protocol error")
 
