@@ -43,10 +43,11 @@ class OperatorProcess:
         self.proc: subprocess.Popen | None = None
         self.health_port = self.metrics_port = 0
         self.starts = 0
+        self.kubeconfig = cluster.kubeconfig
 
     def start(self) -> None:
         self.health_port, self.metrics_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "zerolayer.cli", "operator", "--kubeconfig", self.cluster.kubeconfig,
+        cmd = [sys.executable, "-m", "zerolayer.cli", "operator", "--kubeconfig", self.kubeconfig,
                "--runtime-namespace", self.namespace, "--selector", f"{E2E_LABEL}={self.run_id}",
                "--resync-seconds", str(self.resync), "--health-port", str(self.health_port),
                "--metrics-port", str(self.metrics_port)]

@@ -286,3 +286,56 @@ def test_with_cilium_crd_the_tenant_gets_an_l7_policy(cluster, env):
     finally:
         if not existed:
             cluster.kubectl("delete", "crd", CILIUM_CRD["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_operator_works_with_only_its_documented_rbac(cluster, tmp_path):
+    """Run a second operator as a ServiceAccount holding exactly zerolayer.operator.rbac's rules
+    (what the Helm chart must grant) and check it converges and cleans up."""
+    import yaml
+    from zerolayer.operator import rbac
+
+    run = new_run_id()
+    ns = f"zl-e2e-rbac-{run}"
+    objects = Objects(cluster, ns, run)
+    operator = OperatorProcess(cluster, ns, run, tmp_path)
+    name = f"zl-e2e-operator-{run}"
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        objects.apply(
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "operator", "namespace": ns}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+             "rules": rbac.CLUSTER_RULES},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+             "subjects": [{"kind": "ServiceAccount", "name": "operator", "namespace": ns}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name, "namespace": ns},
+             "rules": rbac.RUNTIME_NAMESPACE_RULES},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": name, "namespace": ns},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+             "subjects": [{"kind": "ServiceAccount", "name": "operator", "namespace": ns}]},
+        )
+        token = cluster.kubectl("create", "token", "operator", "-n", ns, "--duration=1h").stdout.strip()
+        config = yaml.safe_load(open(cluster.kubeconfig))
+        config["users"] = [{"name": "operator", "user": {"token": token}}]
+        for ctx in config["contexts"]:
+            ctx["context"]["user"] = "operator"
+        kubeconfig = tmp_path / "operator.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(config))
+        operator.kubeconfig = str(kubeconfig)
+        operator.start()
+
+        [node] = objects.add_nodes(1)
+        inode, tq, secret = f"{node}-inode", f"rbac-op-{run}", f"rbac-op-keys-{run}"
+        objects.apply(objects.inference_node(inode, node), objects.secret(secret), objects.tenant_quota(tq, secret))
+        wait_condition(cluster, objects, "inferencenode", inode, "RuntimeReady")
+        wait_condition(cluster, objects, "tenantquota", tq, "Ready")
+        assert all(children(objects, inode).values())
+        cluster.kubectl("delete", "inferencenode", inode, "--timeout=60s")
+        cluster.kubectl("delete", "tenantquota", tq, "--timeout=60s")
+        assert not any(children(objects, inode).values())
+        assert "Forbidden" not in operator.log() and "403" not in operator.log(), operator.log()[-3000:]
+    finally:
+        objects.delete_all(operator)
+        operator.stop()
+        cluster.kubectl("delete", "clusterrolebinding,clusterrole", name, "--ignore-not-found", check=False)

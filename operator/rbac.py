@@ -1,0 +1,48 @@
+"""What the operator itself may do: the exact RBAC rules its handlers and kopf use.
+
+One source of truth for the Helm chart's operator ClusterRole and Role (docs/operator.md
+renders them) and for the e2e test that runs the operator under exactly these rules.
+Each rule says why it is needed. Pure data.
+"""
+
+from __future__ import annotations
+
+# Cluster-wide (ClusterRole bound to the operator's ServiceAccount).
+CLUSTER_RULES: list[dict] = [
+    # kopf watches both kinds and patches them (finalizer, progress annotations).
+    {"apiGroups": ["zerolayer.io"], "resources": ["inferencenodes", "tenantquotas"],
+     "verbs": ["get", "list", "watch", "patch"]},
+    # Conditions and phase; get+patch are also what the operator grants runtimes on status.
+    {"apiGroups": ["zerolayer.io"], "resources": ["inferencenodes/status", "tenantquotas/status"],
+     "verbs": ["get", "patch"]},
+    # Read and label GPU nodes; watch them to notice a removed label or a Node that appears.
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
+    # get: does the API-key Secret exist and hold keys. list/watch are never called: RBAC lets
+    # the operator grant runtimes get/list/watch on a tenant's Secret only if it holds them.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "watch"]},
+    # Our Events (core v1), and kopf's warnings.
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    # get: is Cilium's CRD installed; list/watch: kopf's resource scanning.
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+     "verbs": ["get", "list", "watch"]},
+    # Each runtime's ClusterRole/Binding (patch its own InferenceNode status, read TenantQuotas).
+    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles", "clusterrolebindings"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    # The per-tenant Role/RoleBinding that lets runtimes read one Secret, in the Secret's namespace
+    # (apiKeySecretRef.namespace may be any namespace, hence cluster-wide).
+    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
+     "verbs": ["get", "create", "patch", "delete"]},
+]
+
+# In the runtime namespace only (Role bound to the operator's ServiceAccount).
+RUNTIME_NAMESPACE_RULES: list[dict] = [
+    {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["serviceaccounts", "services"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    # list/watch here: the operator watches its children in this namespace to repair deletions at once.
+    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["cilium.io"], "resources": ["ciliumnetworkpolicies"], "verbs": ["get", "create", "patch", "delete"]},
+]

@@ -1,0 +1,36 @@
+"""docs/operator.md renders the operator's RBAC rules from zerolayer.operator.rbac; they must agree."""
+
+import pathlib
+import re
+
+import yaml
+
+from zerolayer.operator import rbac
+
+DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "operator.md"
+
+
+def test_documented_rbac_matches_the_rules_the_operator_is_tested_with():
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
+    assert [yaml.safe_load(b) for b in blocks] == [rbac.CLUSTER_RULES, rbac.RUNTIME_NAMESPACE_RULES]
+
+
+def test_runtime_rbac_needs_nothing_the_operator_lacks():
+    """RBAC forbids granting what the grantor does not hold: every verb in a runtime's
+    ClusterRole and the tenant Secret Role must be held by the operator."""
+    from zerolayer.operator import manifests as m
+    from zerolayer.operator.config import OperatorConfig
+
+    held = {(g, r, v) for rule in rbac.CLUSTER_RULES for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+    cfg = OperatorConfig()
+    inode = {"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode",
+             "metadata": {"name": "n", "uid": "u"}, "spec": {"nodeName": "n"}}
+    tq = {"apiVersion": "zerolayer.io/v1alpha1", "kind": "TenantQuota", "metadata": {"name": "t", "uid": "u"},
+          "spec": {"apiKeySecretRef": {"name": "s"}}}
+    for role in (m.build_clusterrole(inode, cfg), m.build_secret_role(tq, cfg)):
+        for rule in role["rules"]:
+            for g in rule["apiGroups"]:
+                for r in rule["resources"]:
+                    for v in rule["verbs"]:
+                        assert (g, r, v) in held, (g, r, v)
