@@ -136,3 +136,23 @@ def test_energy_from_gpu_power_is_billed(tmp_path):
     assert {b.tenant: b.energy_cost for b in bill(store.usage(0), book)} == {"acme": Decimal("0.75"),
                                                                               "globex": Decimal("0.25")}
     probe.close()
+
+
+def test_auto_mode_falls_back_to_the_journal_and_says_so(tmp_path, monkeypatch, caplog):
+    from zerolayer.bpf import auditor as auditor_module
+    from zerolayer.bpf import loader
+    from zerolayer.bpf.errors import BpfUnavailable
+
+    def unavailable(**kwargs: Any) -> None:
+        raise BpfUnavailable("not root: loading BPF programs needs root")
+
+    monkeypatch.setattr(loader, "BpfTokenSource", unavailable)  # as on a host without BPF
+    store = SqliteStore(tmp_path / "audit.db")
+    with caplog.at_level("WARNING"):
+        source = auditor_module.open_source("auto", spool=str(tmp_path / "spool"), store=store,
+                                            ring_buffer_bytes=1 << 20)
+    assert source.kind == "journal"
+    assert "BPF unavailable (not root" in caplog.text
+    auditor = Auditor(store, source, spool=tmp_path / "spool")
+    assert auditor.metrics.mode.labels("journal")._value.get() == 1
+    assert store.state("mode") == "journal"

@@ -60,3 +60,21 @@ def test_program_rendering():
 def test_print_bpf(capsys):
     assert main(["auditor", "--print-bpf", "--ring-buffer-mb", "1"]) == 0
     assert "bpf_get_current_cgroup_id()" in capsys.readouterr().out
+
+
+def test_reconcile_and_status_commands(tmp_path, capsys):
+    from zerolayer.bpf.probes import TokenProbe
+
+    spool, db = tmp_path / "spool", tmp_path / "audit.db"
+    probe = TokenProbe(spool)  # counters only: the store has none of its events
+    probe.emit("acme", "r", "tiny", 5, 0, first=True)
+    probe.emit("acme", "r", "tiny", 0, 9)
+    probe.close()
+    SqliteStore(db).close()
+    assert main(["audit", "reconcile", "--db", str(db), "--spool", str(spool)]) == 0
+    assert "reconciled: runtime" in capsys.readouterr().out
+    assert main(["audit", "reconcile", "--db", str(db), "--spool", str(spool)]) == 0
+    assert "agrees" in capsys.readouterr().out
+    assert main(["audit", "status", "--db", str(db), "--output", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["runtimes"][0]["missing"] == 2 and doc["reconciliations"][0]["output_tokens"] == 9
