@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
+from zerolayer.bpf.errors import AuditError
 from zerolayer.bpf.probes import TokenProbe
 
 
@@ -23,7 +25,15 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def attach_token_probe(args: argparse.Namespace, server: Any) -> TokenProbe:
-    """Create the process's TokenProbe and route the application's token events to it; close it at exit."""
-    probe = TokenProbe(args.audit_spool, journal=bool(args.audit_journal))
+    """Create the process's TokenProbe and route the application's token events to it; close it at exit.
+
+    A spool that cannot be used ends the runtime with a message (exit status 2): metering is not optional
+    once asked for.
+    """
+    try:
+        probe = TokenProbe(args.audit_spool, journal=bool(args.audit_journal))
+    except AuditError as exc:
+        print(f"zerolayer runtime: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
     server.app.token_sink = probe.emit
     return probe

@@ -50,3 +50,24 @@ def test_journal_source_resumes_from_committed_state(tmp_path):
     resumed = JournalSource(tmp_path, state)
     assert [e.seq for e in resumed.poll(0)] == [6, 7]
     probe.close()
+
+
+def test_runtime_hook_flags_and_sink(tmp_path, monkeypatch):
+    import argparse
+    import types
+
+    import pytest
+
+    from zerolayer.bpf.hook import add_audit_arguments, attach_token_probe
+
+    monkeypatch.delenv("ZEROLAYER_AUDIT_SPOOL", raising=False)
+    monkeypatch.delenv("ZEROLAYER_AUDIT_JOURNAL", raising=False)
+    parser = argparse.ArgumentParser()
+    add_audit_arguments(parser)
+    server = types.SimpleNamespace(app=types.SimpleNamespace(token_sink=None))
+    probe = attach_token_probe(parser.parse_args(["--audit-spool", str(tmp_path), "--audit-journal"]), server)
+    server.app.token_sink("acme", "r", "tiny", 3, 0, True)
+    assert probe.seq == 1 and probe.mode.endswith("journal")
+    probe.close()
+    with pytest.raises(SystemExit):
+        attach_token_probe(parser.parse_args(["--audit-journal"]), server)
