@@ -285,14 +285,15 @@ class Auditor:
 
 
 def open_source(kind: str, *, spool: str | None, store: SqliteStore, ring_buffer_bytes: int,
-                pids: Sequence[int] = (), cgroups: Sequence[str] = (), pids_from_spool: bool = False) -> EventSource:
+                pids: Sequence[int] = (), cgroups: Sequence[str] = (), pids_from_spool: bool = False,
+                library: str | None = None) -> EventSource:
     """``kind`` is ``bpf``, ``journal`` or ``auto`` (the kernel path if it can run here, else journals)."""
     if kind in ("bpf", "auto"):
         from zerolayer.bpf.loader import BpfTokenSource
 
         try:
             return BpfTokenSource(ring_buffer_bytes=ring_buffer_bytes, pids=pids, cgroups=cgroups,
-                                  filter_pids=pids_from_spool)
+                                  filter_pids=pids_from_spool, library=library)
         except BpfUnavailable as exc:
             if kind == "bpf":
                 raise

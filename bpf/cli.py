@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--spool", help="the runtimes' --audit-spool directory (counters snapshots, journals)")
     p.add_argument("--pid", type=int, action="append", default=[], help="meter only this runtime process (repeat)")
     p.add_argument("--cgroup", action="append", default=[], help="meter only processes in this cgroup v2 directory")
+    p.add_argument("--probe-library", metavar="PATH",
+                   help="the runtimes' zerolayer/bpf/_probes*.so as seen from here, if not this installation's "
+                        "(another image: /proc/<pid>/root/...)")
     p.add_argument("--pids-from-spool", action="store_true",
                    help="meter only runtimes that announce themselves in --spool (their pids, found as they start)")
     p.add_argument("--ring-buffer-mb", type=float, default=16.0,
@@ -133,7 +136,8 @@ def run_auditor(args: argparse.Namespace) -> int:
         store = SqliteStore(args.db)
         source = open_source(args.source, spool=args.spool, store=store,
                              ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), pids=args.pid,
-                             cgroups=args.cgroup, pids_from_spool=args.pids_from_spool)
+                             cgroups=args.cgroup, pids_from_spool=args.pids_from_spool,
+                             library=args.probe_library)
         writer = None
         if args.tenant_quotas:
             from zerolayer.bpf.kube import QuotaStatusWriter, TenantQuotaApi

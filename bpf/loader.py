@@ -103,9 +103,13 @@ class BpfTokenSource:
     kind = "bpf"
 
     def __init__(self, *, ring_buffer_bytes: int = 16 << 20, pids: Iterable[int] = (),
-                 cgroups: Iterable[str] = (), drain_interval_s: float = 0.05, filter_pids: bool = False) -> None:
+                 cgroups: Iterable[str] = (), drain_interval_s: float = 0.05, filter_pids: bool = False,
+                 library: str | None = None) -> None:
         """``pids``/``cgroups``: meter only these (none: every process that loads the probe library).
-        ``filter_pids=True`` filters by pid even with no pid yet: add them later with :meth:`add_pid`."""
+        ``filter_pids=True`` filters by pid even with no pid yet: add them later with :meth:`add_pid`.
+        ``library``: the probe library file the runtimes map (default: this installation's). Uprobes key on
+        the file's inode: a runtime in another container of the same image maps the same lower-layer file;
+        otherwise pass its path as seen from here (e.g. ``/proc/<pid>/root/...``)."""
         check_kernel()
         self.drain_interval_s = drain_interval_s
         bcc = import_bcc()
@@ -113,7 +117,7 @@ class BpfTokenSource:
         self.cgroup_ids = [cgroup_id(c) for c in cgroups]
         self.text = render_program(ring_buffer_bytes=ring_buffer_bytes, filter_pids=bool(self.pids) or filter_pids,
                                    filter_cgroups=bool(self.cgroup_ids))
-        library = probe_library()
+        library = library or probe_library()
         try:
             usdt = bcc.USDT(path=library)
             usdt.enable_probe(probe="token", fn_name="on_token")

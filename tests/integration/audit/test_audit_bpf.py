@@ -92,3 +92,18 @@ def test_loss_at_saturation_is_counted_not_silent(skip_without_bpf):
         assert len(received) + source.lost() == 1000
     finally:
         source.close()
+
+
+def test_probe_library_through_another_processes_root(skip_without_bpf):
+    """What a sidecar auditor does: attach to the runtime's library through /proc/<pid>/root."""
+    from zerolayer.bpf.loader import BpfTokenSource
+    from zerolayer.bpf.probes import TokenProbe, probe_library
+
+    library = f"/proc/{os.getpid()}/root{probe_library()}"
+    source = BpfTokenSource(ring_buffer_bytes=1 << 20, pids=[os.getpid()], library=library)
+    try:
+        probe = TokenProbe()
+        probe.emit("acme", "r", "tiny", 0, 1)
+        assert [e.seq for e in poll_all(source, 1) if e.runtime_id == probe.runtime_id] == [1]
+    finally:
+        source.close()
