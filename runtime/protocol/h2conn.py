@@ -88,13 +88,14 @@ class _GuardedFrameBuffer(h2.frame_buffer.FrameBuffer):
 class _Stream:
     __slots__ = (
         "head", "accepted", "context", "max_body", "body", "remote_ended",
-        "out", "out_bytes", "end_pending", "local_ended", "rejected",
+        "out", "out_bytes", "end_pending", "local_ended", "rejected", "discarded",
     )
 
     def __init__(self, head: RequestHead) -> None:
         self.head = head
         self.accepted = False
         self.rejected = False
+        self.discarded = 0
         self.context = None
         self.max_body = 0
         self.body = bytearray()
@@ -275,6 +276,12 @@ class H2ServerCore:
             self._conn.acknowledge_received_data(event.flow_controlled_length, sid)
         if stream is None or not stream.accepted:
             self.discarded_body_bytes += len(event.data)
+            if stream is not None:
+                stream.discarded += len(event.data)
+                if stream.discarded > self.limits.max_body_bytes and stream.local_ended:
+                    # Still sending a body nobody will read: ask it to stop (RFC 9113 §8.1).
+                    self._conn.reset_stream(sid, H2_NO_ERROR)
+                    self._streams.pop(sid, None)
             return
         if len(stream.body) + len(event.data) > stream.max_body:
             self.on_limit("max_body_bytes")
@@ -413,13 +420,22 @@ class H2ServerCore:
             if stream.end_pending and not stream.local_ended:
                 conn.end_stream(sid)
                 stream.local_ended = True
-                if stream.rejected and not stream.remote_ended:
-                    # RFC 9113 §8.1: a complete early response, then ask the client to stop sending.
+                if stream.rejected and not stream.remote_ended and self._large_body(stream):
+                    # RFC 9113 §8.1: a complete early response, then ask the client to stop sending. Only
+                    # for large declared bodies: a small rest is cheaper to drop as it comes, and the stream
+                    # stays open so h2 still validates what follows (e.g. malformed trailers).
                     conn.reset_stream(sid, H2_NO_ERROR)
                     stream.remote_ended = True
                 self._maybe_forget(stream)
         except (h2.exceptions.StreamClosedError, h2.exceptions.FlowControlError, KeyError):
             self._streams.pop(sid, None)
+
+    EARLY_RESET_BODY = 65536
+
+    @classmethod
+    def _large_body(cls, stream: _Stream) -> bool:
+        length = stream.head.headers.get("content-length", "")
+        return length.isdigit() and int(length) > cls.EARLY_RESET_BODY
 
     def _flush_all(self) -> None:
         for stream in list(self._streams.values()):

@@ -90,8 +90,8 @@ def test_rejected_stream_body_is_never_buffered():
     assert not any(isinstance(e, RequestReady) for e in events)
     # The gate decided with zero body bytes seen; the body was acknowledged and dropped.
     assert p.body_seen_at_gate == [0]
-    # What came in the same read as HEADERS was acknowledged and dropped; the rest met a reset stream.
-    assert p.core.discarded_body_bytes == 16000
+    # Every byte of the body was credited back for flow control and dropped as it came.
+    assert p.core.discarded_body_bytes == len(body)
     assert not p.core.is_open(1)
     got = p.back()
     response = next(e for e in got if isinstance(e, h2.events.ResponseReceived))
@@ -99,14 +99,30 @@ def test_rejected_stream_body_is_never_buffered():
     assert dict(response.headers)[b"x-zerolayer-error"] == b"AUTHENTICATION"
 
 
-def test_a_complete_early_answer_asks_the_client_to_stop_sending():
+def test_a_complete_early_answer_asks_a_large_body_to_stop():
     p = Pair(verdict=lambda head: Reject(403, [], b"no"))
-    p.client.send_headers(1, REQUEST)  # body still to come
+    p.client.send_headers(1, REQUEST + [("content-length", "1000000")])  # a big body still to come
     p.send()
     got = p.back()
     assert any(isinstance(e, h2.events.StreamEnded) for e in got)
     reset = next(e for e in got if isinstance(e, h2.events.StreamReset))
     assert reset.error_code == H2_NO_ERROR  # RFC 9113 §8.1
+
+
+def test_a_small_rest_of_a_rejected_body_is_dropped_as_it_comes():
+    p = Pair(verdict=lambda head: Reject(403, [], b"no"), limits=Limits(max_body_bytes=1000))
+    p.client.send_headers(1, REQUEST)
+    p.send()
+    got = p.back()
+    assert not any(isinstance(e, h2.events.StreamReset) for e in got)  # the stream stays open...
+    p.client.send_data(1, b"a" * 600)
+    p.send()
+    assert p.core.discarded_body_bytes == 600 and p.core.is_open(1)  # ...dropping the body
+    p.client.send_data(1, b"a" * 600)
+    p.send()
+    assert not p.core.is_open(1)  # past max_body_bytes: told to stop
+    reset = next(e for e in p.back() if isinstance(e, h2.events.StreamReset))
+    assert reset.error_code == H2_NO_ERROR
 
 
 def test_body_over_the_limit_is_refused_and_dropped():
