@@ -400,6 +400,12 @@ class Application:
                 stream.task.cancel()  # never ran: the coroutine body (and its finally) will not run
             self.settle(stream)
 
+    def connection_lost(self, conn_id: int) -> None:
+        """The connection is gone: end every stream it carried."""
+        prefix = f"{conn_id}/"
+        for key in [k for k in self.streams if k.startswith(prefix)]:
+            self.stream_aborted(key)
+
     def preempt(self, key: str, code: ErrorCode, reason: str) -> bool:
         """Stop a running stream with ``code`` (SSE error + RST_STREAM, engine abort). False if unknown."""
         stream = self.streams.get(key)

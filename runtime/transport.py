@@ -149,8 +149,9 @@ class Connection(asyncio.Protocol):
         self.server.metrics.connections_active.dec()
         if self._timer is not None:
             self._timer.cancel()
-        for sid in list(self._tasks):
-            self.app.stream_aborted(f"{self.id}/{sid}")
+        # Every stream of this connection ends here, including those admitted at HEADERS whose
+        # body never came (they have no task yet but hold a reservation).
+        self.app.connection_lost(self.id)
         for task in self._tasks.values():
             task.cancel()
         self._writable.set()

@@ -242,3 +242,20 @@ async def test_idle_connections_are_pinged_then_closed():
         assert server.metrics.value("zerolayer_h2_pings_sent_total") >= 1
         assert server.metrics.value("zerolayer_idle_connections_closed_total") == 1
         assert client.goaway is not None and client.goaway.error_code == H2_NO_ERROR
+
+
+async def test_a_dropped_connection_settles_streams_still_waiting_for_their_body(runtime):
+    reader, writer = await asyncio.open_connection("127.0.0.1", runtime.port)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    for sid in (1, 3, 5):  # admitted at HEADERS; the bodies never come
+        conn.send_headers(sid, [(":method", "POST"), (":path", "/v1/messages"), (":scheme", "http"),
+                                (":authority", "t"), ("x-api-key", KEY)])
+    writer.write(conn.data_to_send())
+    await writer.drain()
+    await wait_for(lambda: len(runtime.app.streams) == 3)
+    assert runtime.scheduler.open_streams() == 3
+    writer.close()  # TCP goes away without RST_STREAM or GOAWAY
+    await writer.wait_closed()
+    await wait_for(lambda: not runtime.app.streams)
+    assert runtime.scheduler.open_streams() == 0 and runtime.app.engine_requests_started == 0
