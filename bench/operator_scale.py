@@ -83,6 +83,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def report(rows: list[tuple[str, str]], args: argparse.Namespace) -> None:
+    width = max(len(k) for k, _ in rows)
+    table = "\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows)
+    print("\n" + table, flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"operator_scale_{args.nodes}n_{args.tenants}t.md"
+    out.write_text(f"# Operator scale ({time.strftime('%Y-%m-%d', time.gmtime())}, local control plane, 2 shared CPU "
+                   f"cores)\n\n`python bench/operator_scale.py --nodes {args.nodes} --tenants {args.tenants} "
+                   f"--resync {args.resync:g} --idle {args.idle:g}`\n\n| measure | value |\n|---|---|\n{table}\n")
+    print(f"\nwritten to {out}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=200)
@@ -214,37 +226,36 @@ def main() -> int:
             ("operator peak RSS", f"{rss:.0f} MiB"),
             ("resync interval", f"{args.resync:.0f} s"),
         ]
+        report(rows, args)  # before cleanup, which can take minutes on a loaded machine
     finally:
         if operator is not None:
             try:
                 print("cleaning up (the operator's finalizers run) ...", flush=True)
-                cluster.kubectl("delete", "inferencenodes,tenantquotas", "-l", label, "--wait=false", check=False)
+                cluster.kubectl("delete", "inferencenodes,tenantquotas", "-l", label, "--wait=false", check=False,
+                                timeout=900)
                 deadline = time.monotonic() + 600
                 while time.monotonic() < deadline and cluster.kubectl(
-                        "get", "inferencenodes,tenantquotas", "-l", label, "-o", "name", check=False).stdout.strip():
+                        "get", "inferencenodes,tenantquotas", "-l", label, "-o", "name", check=False,
+                        timeout=300).stdout.strip():
                     time.sleep(5)
             finally:
                 operator.terminate()
                 operator.wait(timeout=60)
-        for obj in cluster.kubectl("get", "inferencenodes,tenantquotas", "-l", label, "-o", "name",
-                                   check=False).stdout.split():
-            cluster.kubectl("patch", obj, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
-        cluster.kubectl("delete", "flowschema", schema, "--ignore-not-found", check=False)
-        cluster.kubectl("delete", "clusterrolebinding", schema, "--ignore-not-found", check=False)
-        cluster.kubectl("delete", "node", *node_names, "--wait=false", check=False, timeout=300)
-        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        def quietly(*argv: str) -> str:
+            try:
+                return cluster.kubectl(*argv, check=False, timeout=600).stdout
+            except subprocess.TimeoutExpired:
+                print(f"cleanup: kubectl {' '.join(argv[:3])} timed out", file=sys.stderr)
+                return ""
+        for obj in quietly("get", "inferencenodes,tenantquotas", "-l", label, "-o", "name").split():
+            quietly("patch", obj, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
+        quietly("delete", "flowschema", schema, "--ignore-not-found")
+        quietly("delete", "clusterrolebinding", schema, "--ignore-not-found")
+        quietly("delete", "node", *node_names, "--wait=false")
+        quietly("delete", "namespace", ns, "--wait=false")
         if started:
             cluster.down(quiet=True)
 
-    width = max(len(k) for k, _ in rows)
-    table = "\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows)
-    print("\n" + table)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"operator_scale_{args.nodes}n_{args.tenants}t.md"
-    out.write_text(f"# Operator scale ({time.strftime('%Y-%m-%d', time.gmtime())}, local control plane, 2 shared CPU "
-                   f"cores)\n\n`python bench/operator_scale.py --nodes {args.nodes} --tenants {args.tenants} "
-                   f"--resync {args.resync:g} --idle {args.idle:g}`\n\n| measure | value |\n|---|---|\n{table}\n")
-    print(f"\nwritten to {out}")
     return 0
 
 

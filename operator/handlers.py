@@ -86,6 +86,10 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         # Our events tell the story; kopf's own "Handler succeeded" events would drown it.
         settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 300
+        # The runtime namespace is one exact name and the CRDs are installed before the operator
+        # (by the chart): no need to list namespaces or watch CRDs for new resources, so the
+        # operator's RBAC needs neither.
+        settings.scanning.disabled = True
         # Probe handlers are not retried for long: /healthz must answer, not hang.
         settings.execution.max_workers = 4
         kube = Kube(Credentials.load(kubeconfig), on_request=metrics.on_request,

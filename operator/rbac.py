@@ -22,9 +22,8 @@ CLUSTER_RULES: list[dict] = [
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "watch"]},
     # Our Events (core v1), and kopf's warnings.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    # get: is Cilium's CRD installed; list/watch: kopf's resource scanning.
-    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
-     "verbs": ["get", "list", "watch"]},
+    # Is Cilium's CRD installed (kopf's CRD and namespace scanning is off, see handlers.configure).
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get"]},
     # Each runtime's ClusterRole/Binding (patch its own InferenceNode status, read TenantQuotas).
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles", "clusterrolebindings"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},

@@ -5,6 +5,7 @@ events, drift repair, idempotency, Cilium detection and finalizer cleanup."""
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import time
 
@@ -316,7 +317,7 @@ def test_operator_works_with_only_its_documented_rbac(cluster, tmp_path):
              "subjects": [{"kind": "ServiceAccount", "name": "operator", "namespace": ns}]},
         )
         token = cluster.kubectl("create", "token", "operator", "-n", ns, "--duration=1h").stdout.strip()
-        config = yaml.safe_load(open(cluster.kubeconfig))
+        config = yaml.safe_load(pathlib.Path(cluster.kubeconfig).read_text())
         config["users"] = [{"name": "operator", "user": {"token": token}}]
         for ctx in config["contexts"]:
             ctx["context"]["user"] = "operator"
