@@ -20,13 +20,13 @@ import collections
 import dataclasses
 import datetime
 import logging
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from zerolayer.operator import conditions as cond
 from zerolayer.operator import manifests as m
 from zerolayer.operator import validation
 from zerolayer.operator.config import OperatorConfig
-from zerolayer.operator.errors import KubeError, OperatorError, SpecError
+from zerolayer.operator.errors import OperatorError, SpecError
 from zerolayer.operator.kube import Kube
 
 log = logging.getLogger(__name__)
@@ -340,12 +340,12 @@ class Reconciler:
 
         # Secret moved to another namespace: the old Role and RoleBinding would linger until
         # the TenantQuota is deleted (they are owned by it), so remove them now.
-        if old is not None:
-            old_ns = m.secret_ref(old, self.config)[0]
-            if old_ns != namespace:
-                for kind in ("RoleBinding", "Role"):
-                    if await self.kube.delete("rbac.authorization.k8s.io/v1", kind, m.tenant_name(body["metadata"]["name"]), old_ns):
-                        await self._act(body, outcome, "Deleted", f"Deleted {kind} {old_ns}/{m.tenant_name(body['metadata']['name'])}")
+        old_ns = m.secret_ref(old, self.config)[0] if old is not None else namespace
+        if old_ns != namespace:
+            child = m.tenant_name(body["metadata"]["name"])
+            for kind in ("RoleBinding", "Role"):
+                if await self.kube.delete("rbac.authorization.k8s.io/v1", kind, child, old_ns):
+                    await self._act(body, outcome, "Deleted", f"Deleted {kind} {old_ns}/{child}")
 
         cilium = await self.kube.crd_exists(m.CILIUM_CRD)
         policy = m.build_ciliumnetworkpolicy(body, self.config) if cilium else \

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.e2e.operator_harness import E2E_LABEL, Objects, OperatorProcess, new_run_id
+from tests.e2e.operator_harness import Objects, OperatorProcess, new_run_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
