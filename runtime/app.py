@@ -108,9 +108,11 @@ class Application:
         limits: Limits,
         render_extra_metrics: Callable[[], bytes] = lambda: b"",
         clock: Callable[[], float] = time.monotonic,
+        required_headers: Sequence[str] = (),
         token_sink: Callable[[str, str, str, int, int, bool], Any] | None = None,
     ) -> None:
         self.engine = engine
+        self.required_headers = tuple(required_headers)
         # Metering (zerolayer.bpf.probes.TokenProbe): called with (tenant, request_id, model, input_tokens,
         # output_tokens, first) right after tokens were handed to the transport for the client.
         self.token_sink = token_sink
@@ -162,7 +164,7 @@ class Application:
         if not self.engine.ready():
             raise RequestRefused(ErrorCode.MODEL_UNAVAILABLE, "the engine is not ready", reason="engine_not_ready",
                                  retry_after_s=1.0)
-        terms = parse_contract(head.headers, now, time.time_ns())
+        terms = parse_contract(head.headers, now, time.time_ns(), self.required_headers)
         if terms.model_hint is not None and terms.model_hint not in self.engine.models:
             raise self._unknown_model(terms.model_hint)
         length = head.headers.get("content-length")

@@ -37,6 +37,7 @@ class RuntimeConfig:
     limits: Limits
     sample_interval_s: float
     base_dir: pathlib.Path
+    required_headers: tuple[str, ...] = ()
 
 
 def _mapping(data: Any, where: str) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def parse_tenant(data: Any, index: int, environ: Mapping[str, str]) -> Tenant:
 def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
     environ = os.environ if environ is None else environ
     data = _mapping(data, "config")
-    known = {"listen", "tls", "engine", "tenants", "scheduler", "gpu", "limits", "telemetry"}
+    known = {"listen", "tls", "engine", "tenants", "scheduler", "gpu", "limits", "telemetry", "headers"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown top-level keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -127,6 +128,11 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
     gpu = _mapping(data.get("gpu"), "gpu") or {"source": "none"}
     if gpu.get("source", "none") not in GPU_SOURCES:
         raise ConfigError(f"gpu.source: one of {', '.join(GPU_SOURCES)}, got {gpu.get('source')!r}")
+    from zerolayer.runtime.headers import REQUIRABLE
+
+    required = _mapping(data.get("headers"), "headers").get("required") or []
+    if not isinstance(required, list) or any(r not in REQUIRABLE for r in required):
+        raise ConfigError(f"headers.required: a list of {', '.join(REQUIRABLE)}, got {required!r}")
     telemetry = _mapping(data.get("telemetry"), "telemetry")
     interval_ms = telemetry.get("sample_interval_ms", 200)
     if not isinstance(interval_ms, (int, float)) or interval_ms <= 0:
@@ -143,6 +149,7 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         limits=Limits.from_mapping(_mapping(data.get("limits"), "limits")),
         sample_interval_s=float(interval_ms) / 1000.0,
         base_dir=base_dir,
+        required_headers=tuple(required),
     )
 
 
@@ -246,4 +253,5 @@ def build_server(config: RuntimeConfig, *, port: int | None = None):  # type: ig
         port=config.port if port is None else port,
         ssl_context=ssl_context,
         sample_interval_s=config.sample_interval_s,
+        required_headers=config.required_headers,
     )

@@ -31,6 +31,16 @@ class RequestContract:
         return min(candidates) if candidates else None
 
 
+# Contract fields a deployment may make mandatory (``headers.required`` in the config).
+REQUIRABLE: dict[str, tuple[str, ...]] = {
+    "session": contract.SESSION,
+    "priority": contract.PRIORITY,
+    "model_hint": contract.MODEL_HINT,
+    "output_format": contract.OUTPUT_FORMAT,
+    "deadline": contract.DEADLINE_NANOS,
+}
+
+
 def first(headers: Mapping[str, str], names: Sequence[str]) -> str | None:
     for name in names:
         value = headers.get(name)
@@ -43,7 +53,14 @@ def _bad(message: str) -> RequestRefused:
     return RequestRefused(ErrorCode.INVALID_REQUEST, message, reason="bad_header")
 
 
-def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int) -> RequestContract:
+def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int,
+                   required: Sequence[str] = ()) -> RequestContract:
+    """Parse the contract; a field named in ``required`` (keys of REQUIRABLE) must be present (else 400)."""
+    for field in required:
+        if first(headers, REQUIRABLE[field]) is None:
+            raise _bad(f"missing mandatory header {REQUIRABLE[field][0]} "
+                       f"(or {', '.join(REQUIRABLE[field][1:])})" if len(REQUIRABLE[field]) > 1
+                       else f"missing mandatory header {REQUIRABLE[field][0]}")
     raw_priority = first(headers, contract.PRIORITY)
     try:
         priority = Priority.parse(raw_priority)

@@ -55,6 +55,7 @@ class RuntimeServer:
         port: int = 0,
         ssl_context: ssl.SSLContext | None = None,
         sample_interval_s: float = 0.2,
+        required_headers: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
@@ -70,6 +71,7 @@ class RuntimeServer:
         extra = getattr(scheduler, "registry", None)
         self.app = Application(
             engine=engine, scheduler=scheduler, tenants=self.tenants, metrics=self.metrics, limits=self.limits,
+            required_headers=required_headers,
             render_extra_metrics=(lambda: self.metrics.render_registry(extra)) if extra is not None else lambda: b"",
         )
         self.connections: set[Connection] = set()

@@ -68,3 +68,10 @@ def test_examples_are_valid_yaml_with_no_plain_keys():
         text = path.read_text()
         yaml.safe_load(text)
         assert "sk-zerolayer-demo\n" not in text.replace('"sk-zerolayer-demo"', "")
+
+
+def test_required_headers_setting():
+    config = parse_config({"headers": {"required": ["session", "deadline"]}}, REPO, environ={})
+    assert config.required_headers == ("session", "deadline")
+    with pytest.raises(ConfigError, match="headers.required"):
+        parse_config({"headers": {"required": ["colour"]}}, REPO, environ={})

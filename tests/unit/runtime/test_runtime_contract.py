@@ -103,3 +103,12 @@ def test_protocol_doc_lists_every_error_code_and_header():
              *contract.RATELIMIT_HEADERS, "retry-after", "authorization"]
     for name in names:
         assert f"`{name}`" in doc.lower(), name
+
+
+def test_mandatory_headers_are_a_deployment_choice():
+    parse_contract({}, NOW, WALL_NS)  # nothing is mandatory by default: unmodified SDKs must work
+    with pytest.raises(RequestRefused, match="x-zerolayer-session") as err:
+        parse_contract({"x-zerolayer-priority": "high"}, NOW, WALL_NS, required=["session"])
+    assert err.value.code is ErrorCode.INVALID_REQUEST
+    terms = parse_contract({"x-session-token": "s"}, NOW, WALL_NS, required=["session"])
+    assert terms.session == "s"
