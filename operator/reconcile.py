@@ -26,7 +26,7 @@ from zerolayer.operator import conditions as cond
 from zerolayer.operator import manifests as m
 from zerolayer.operator import validation
 from zerolayer.operator.config import OperatorConfig
-from zerolayer.operator.errors import OperatorError, SpecError
+from zerolayer.operator.errors import NotFound, OperatorError, SpecError
 from zerolayer.operator.kube import Kube
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,11 @@ class Reconciler:
         outcome = Outcome()
         name = body["metadata"]["name"]
         async with self._lock("InferenceNode", name):
+            if (body.get("status") or {}).get("phase") != "Terminating":
+                try:
+                    await self.kube.patch_status(*INODE, name, {"phase": "Terminating"})
+                except NotFound:
+                    pass  # already gone: nothing left to show
             node_name = (body.get("spec") or {}).get("nodeName")
             if node_name:
                 self.node_index[node_name].discard(name)

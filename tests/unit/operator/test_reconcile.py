@@ -152,6 +152,7 @@ async def test_delete_removes_labels_and_children_once():
     kube, rec, inode = world()
     await rec.reconcile_inference_node(inode)
     await rec.delete_inference_node(snapshot(kube))
+    assert current(kube)["status"]["phase"] == "Terminating"
     labels = kube.find("v1", "Node", "gpu-node-0")["metadata"]["labels"]
     assert m.INFERENCE_NODE_LABEL not in labels and m.GPU_TYPE_LABEL not in labels
     assert labels[m.GFD_PRODUCT_LABEL] == "NVIDIA-H100"  # not ours: untouched
