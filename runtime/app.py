@@ -48,7 +48,9 @@ ROUTES: dict[str, tuple[str, str]] = {
     "/healthz": ("GET", "healthz"),
     "/readyz": ("GET", "readyz"),
     "/metrics": ("GET", "metrics"),
+    "/v1/zerolayer/map": ("GET", "map"),
 }
+PRESSURE_CODES = frozenset({ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.GPU_OOM})
 API_OF_ROUTE = {"messages": "anthropic", "chat": "openai"}
 BYTES_PER_TOKEN_ESTIMATE = 4  # a HEADERS-time guess from content-length, replaced at body time
 
@@ -110,8 +112,16 @@ class Application:
         clock: Callable[[], float] = time.monotonic,
         required_headers: Sequence[str] = (),
         token_sink: Callable[[str, str, str, int, int, bool], Any] | None = None,
+        alternatives: Callable[[str | None], str | None] | None = None,
+        map_document: Callable[[], bytes | None] | None = None,
     ) -> None:
         self.engine = engine
+        # Fleet hooks, set by the node agent when this runtime knows the GPU map (docs/gpu-map.md):
+        # ``alternatives(session)`` gives the ALTERNATIVES header value for a pressure refusal (None: no
+        # header); ``map_document()`` gives the body of GET /v1/zerolayer/map (None: no map, 404).
+        # Both must not block: they read a snapshot.
+        self.alternatives = alternatives
+        self.map_document = map_document
         self.required_headers = tuple(required_headers)
         # Metering (zerolayer.bpf.probes.TokenProbe): called with (tenant, request_id, model, input_tokens,
         # output_tokens, first) right after tokens were handed to the transport for the client.
@@ -147,7 +157,7 @@ class Application:
             return self._reject(api, RequestRefused(
                 ErrorCode.AUTHENTICATION, "missing or unknown API key (x-api-key or Authorization: Bearer)",
                 reason="no_key"), route)
-        if route == "models":
+        if route in ("models", "map"):
             return Accept(0, _Route(route, api))
         key = f"{conn_id}/{head.stream_id}"
         try:
@@ -187,7 +197,7 @@ class Application:
         )
         admission = self.scheduler.admit(ticket, now)
         if not admission.admitted:
-            raise self._refusal(admission)
+            raise self._refusal(admission, terms.session)
         stream = ActiveStream(key, route, tenant, terms, ticket, now, reservation=admission.reservation)
         self.streams[key] = stream
         self.metrics.streams_active.set(len(self.streams))
@@ -208,6 +218,8 @@ class Application:
             elif route.name == "models":
                 await self._respond(channel, 200, [("content-type", "application/json")],
                                     openai.models(list(self.engine.models), self.created), route.name)
+            elif route.name == "map":
+                await self._serve_map(channel)
             else:
                 assert route.stream is not None
                 await self._serve_chat(channel, route, route.stream, ready.body)
@@ -220,6 +232,16 @@ class Application:
                 await self._send_error(channel, route.api, refused, route.name)
             else:
                 channel.reset(ERRORS[ErrorCode.INTERNAL_ERROR].rst_code)
+
+    async def _serve_map(self, channel: Channel) -> None:
+        document = self.map_document() if self.map_document is not None else None
+        if document is None:
+            refused = RequestRefused(ErrorCode.INVALID_REQUEST, "this node has no GPU map (gossip is off)",
+                                     reason="no_map", http_status=404)
+            await self._send_error(channel, "plain", refused, "map")
+            return
+        await self._respond(channel, 200, [("content-type", "application/json"), ("cache-control", "no-store")],
+                            document, "map")
 
     async def _serve_chat(self, channel: Channel, route: _Route, stream: ActiveStream, body: bytes) -> None:
         if stream.settled:
@@ -269,7 +291,7 @@ class Application:
         admission = self.scheduler.admit(stream.ticket, self.clock(), stage="body")
         if not admission.admitted:
             stream.reservation = None  # the scheduler released the HEADERS reservation itself
-            raise self._refusal(admission)
+            raise self._refusal(admission, stream.ticket.session)
         stream.reservation = admission.reservation or stream.reservation
         engine_priority = getattr(admission, "engine_priority", None)
         if engine_priority is None:
@@ -435,11 +457,16 @@ class Application:
                               f"model {model!r} is not served here (serving: {', '.join(self.engine.models)})",
                               reason="unknown_model", http_status=404)
 
-    @staticmethod
-    def _refusal(admission: Admission) -> RequestRefused:
+    def _refusal(self, admission: Admission, session: str | None) -> RequestRefused:
         code = admission.code or ErrorCode.RESOURCE_EXHAUSTED
+        headers = admission.headers
+        if code in PRESSURE_CODES and self.alternatives is not None:
+            # Where the client can go instead: other admitting nodes in the session's hash order.
+            endpoints = self.alternatives(session)
+            if endpoints:
+                headers = {**headers, contract.ALTERNATIVES: endpoints}
         return RequestRefused(code, admission.message or code.value, reason=admission.reason or "scheduler",
-                              retry_after_s=admission.retry_after_s, headers=admission.headers)
+                              retry_after_s=admission.retry_after_s, headers=headers)
 
     def _reject(self, api: str, refused: RequestRefused, route: str) -> Reject:
         self.metrics.refusals.labels(refused.code.value, refused.reason).inc()

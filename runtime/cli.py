@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         if sync is not None:
             sync.start()
         agent = await start_node_agent(args, server)  # SIGUSR1 release; gossip with --node-name
+        if agent.watcher is not None:  # alternatives on pressure refusals, GET /v1/zerolayer/map
+            server.use_fleet(agent.fleet, self_name=getattr(args, "node_name", None))
         print(f"zerolayer runtime serving on {server.base_url} (engine: {server.engine.kind}, "
               f"models: {', '.join(server.engine.models)})", flush=True)
         try:

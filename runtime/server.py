@@ -13,9 +13,12 @@ import logging
 import signal
 import ssl
 import time
-from typing import Sequence
+from typing import Callable, Sequence
+
+from prometheus_client import Counter
 
 from zerolayer.contract import ErrorCode
+from zerolayer.gpumap import FleetMap, alternatives_header, render_map_document
 from zerolayer.runtime.app import Application
 from zerolayer.runtime.engine.base import Engine
 from zerolayer.runtime.errors import ConfigError
@@ -23,6 +26,7 @@ from zerolayer.runtime.gpu.api import GpuSource, GpuSourceError
 from zerolayer.runtime.limits import Limits
 from zerolayer.runtime.metrics import RuntimeMetrics
 from zerolayer.runtime.scheduler.api import Preemption, Pressure, Scheduler
+from zerolayer.runtime.scheduler.config import SchedulerError
 from zerolayer.runtime.scheduler.pressure import pressure_from_readings
 from zerolayer.runtime.tenants import Tenant, TenantDirectory
 from zerolayer.runtime.transport import Connection
@@ -56,6 +60,8 @@ class RuntimeServer:
         ssl_context: ssl.SSLContext | None = None,
         sample_interval_s: float = 0.2,
         required_headers: Sequence[str] = (),
+        alternatives: Callable[[str | None], str | None] | None = None,
+        map_document: Callable[[], bytes | None] | None = None,
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
@@ -68,10 +74,13 @@ class RuntimeServer:
         self.sample_interval_s = sample_interval_s
         self.metrics = RuntimeMetrics()
         self.metrics.watch_engine(engine.stats, lambda: engine.models[0])
+        self.failed_samples = Counter(
+            "zerolayer_gpu_samples_failed", "GPU samples that gave no reading (the scheduler kept its state).",
+            registry=self.metrics.registry)
         extra = getattr(scheduler, "registry", None)
         self.app = Application(
             engine=engine, scheduler=scheduler, tenants=self.tenants, metrics=self.metrics, limits=self.limits,
-            required_headers=required_headers,
+            required_headers=required_headers, alternatives=alternatives, map_document=map_document,
             render_extra_metrics=(lambda: self.metrics.render_registry(extra)) if extra is not None else lambda: b"",
         )
         self.connections: set[Connection] = set()
@@ -84,6 +93,7 @@ class RuntimeServer:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "RuntimeServer":
         await self.engine.start()
+        self._adopt_kv_capacity()
         self.scheduler.set_tenants(self.tenants.policies())
         loop = asyncio.get_running_loop()
         tls = self.ssl_context is not None
@@ -143,6 +153,23 @@ class RuntimeServer:
             log.info("signal received: draining")
             await self.stop()
 
+    def _adopt_kv_capacity(self) -> None:
+        """Give the scheduler the engine's KV-cache size for its projection when its config left it 0."""
+        capacity = getattr(self.engine, "kv_capacity_tokens", None)
+        adopt = getattr(self.scheduler, "adopt_kv_capacity", None)
+        if isinstance(capacity, int) and capacity > 0 and callable(adopt) and adopt(capacity):
+            log.info("scheduler projection: KV-cache capacity %d tokens (from the engine)", capacity)
+
+    def use_fleet(self, fleet: Callable[[], FleetMap | None], self_name: str | None = None) -> None:
+        """Serve alternatives on pressure refusals and ``GET /v1/zerolayer/map`` from ``fleet()``,
+        a non-blocking snapshot (the node agent's :meth:`~zerolayer.runtime.gossip.hook.NodeAgent.fleet`)."""
+        self.app.alternatives = lambda session: alternatives_header(fleet(), session, self_name=self_name)
+
+        def document() -> bytes | None:
+            current = fleet()
+            return render_map_document(current) if current is not None else None
+        self.app.map_document = document
+
     def replace_tenants(self, tenants: Sequence[Tenant]) -> None:
         """Apply new tenants and quotas without a restart."""
         self.tenants.replace(tenants)
@@ -159,18 +186,26 @@ class RuntimeServer:
         running = [s.running() for s in self.app.streams.values() if s.started and not s.settled]
         stats = self.engine.stats()
         now = time.monotonic()
+        pressure: Pressure | None
         if self.gpu_source is not None:
             try:
                 readings = await asyncio.to_thread(self.gpu_source.sample)
-            except GpuSourceError as exc:
+                now = time.monotonic()
+                pressure = pressure_from_readings(readings, running, stats.waiting, now)
+            except (GpuSourceError, SchedulerError) as exc:
+                # No reading is not "0 % memory": skip observe so the gate keeps its state, but
+                # deadlines below are still enforced.
                 log.warning("GPU sample failed: %s", exc)
-                readings = ()
-            now = time.monotonic()
-            pressure = pressure_from_readings(readings, running, stats.waiting, now)
+                self.failed_samples.inc()
+                now = time.monotonic()
+                pressure = None
         else:
             pressure = Pressure(stats.kv_cache_usage, tuple(running), stats.waiting, now)
-        self.last_pressure = pressure
-        preemptions = [*self.scheduler.observe(pressure, now), *self.scheduler.expired(running, now)]
+        preemptions: list[Preemption] = []
+        if pressure is not None:
+            self.last_pressure = pressure
+            preemptions.extend(self.scheduler.observe(pressure, now))
+        preemptions.extend(self.scheduler.expired(running, now))
         for p in preemptions:
             self.preempt(p.stream_key, p.code, p.reason)
         return preemptions

@@ -91,6 +91,16 @@ class MicroScheduler:
         with self._lock:
             return len(self._streams)
 
+    def adopt_kv_capacity(self, tokens: int) -> bool:
+        """Project with the engine's KV-cache size (``tokens``) when the config left
+        ``kv_capacity_tokens`` unset (0); a configured size wins. True if adopted."""
+        if tokens <= 0 or self.config.kv_capacity_tokens > 0:
+            return False
+        with self._lock:
+            self.config = self._state.config = dataclasses.replace(self.config, kv_capacity_tokens=tokens)
+            self._state.projection.capacity_tokens = tokens
+        return True
+
     # ------------------------------------------------------------------ protocol
     def set_tenants(self, policies: Mapping[str, TenantPolicy]) -> None:
         """Replace the tenant policies; open streams and their charges are kept."""
