@@ -351,11 +351,18 @@ class Kube:
         finally:
             self._seen.pop((api_version, kind, namespace, name), None)
 
-    async def patch_labels(self, api_version: str, kind: str, name: str, labels: Mapping[str, str | None],
-                           namespace: str | None = None) -> None:
-        """Merge labels into an object's metadata; a None value removes that label."""
+    async def patch_metadata(self, api_version: str, kind: str, name: str, *,
+                             labels: Mapping[str, str | None] | None = None,
+                             annotations: Mapping[str, str | None] | None = None,
+                             namespace: str | None = None) -> None:
+        """Merge labels and annotations into an object's metadata; a None value removes one."""
+        meta: dict[str, Any] = {}
+        if labels:
+            meta["labels"] = dict(labels)
+        if annotations:
+            meta["annotations"] = dict(annotations)
         patched = await self.request("PATCH", path_of(api_version, kind, namespace, name),
-                                     body={"metadata": {"labels": dict(labels)}}, content_type=MERGE_PATCH)
+                                     body={"metadata": meta}, content_type=MERGE_PATCH)
         self._remember((api_version, kind, namespace, name), patched)
 
     async def patch_status(self, api_version: str, kind: str, name: str, status: Mapping[str, Any],

@@ -34,6 +34,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 INFERENCE_NODE_LABEL = "zerolayer.io/inference-node"
 GPU_TYPE_LABEL = "zerolayer.io/gpu-type"
 GFD_PRODUCT_LABEL = "nvidia.com/gpu.product"  # NVIDIA GPU feature discovery
+# On the Node: which InferenceNode serves it (one per node; a second one is refused).
+CLAIM_ANNOTATION = "zerolayer.io/inference-node-name"
 
 # Labels on every child.
 APP_LABEL = "app.kubernetes.io/name"

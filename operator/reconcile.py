@@ -184,13 +184,29 @@ class Reconciler:
             raise WaitingFor(message, delay=min(30.0, self.config.resync_seconds))
 
         self.missing_nodes.discard(node_name)
+        # One InferenceNode per Node: a second one would run a second runtime on the same GPUs.
+        claimed_by = (node.get("metadata", {}).get("annotations") or {}).get(m.CLAIM_ANNOTATION)
+        if claimed_by and claimed_by != name:
+            other = await self.kube.get(*INODE, claimed_by)
+            if other is not None and not other["metadata"].get("deletionTimestamp"):
+                message = f"node {node_name} is already served by InferenceNode {claimed_by}"
+                new = await self._conditions_status(body, INODE, [
+                    cond.condition("NodeFound", True, "NodeExists", f"Kubernetes Node {node_name} exists"),
+                    cond.condition("NodeLabelled", False, "NodeClaimed", message),
+                    cond.condition("Ready", False, "NodeClaimed", message),
+                ], "Degraded")
+                await self._note_transition(body, outcome, new, "Degraded")
+                raise WaitingFor(message, delay=self.config.resync_seconds)
+
         # Label the node: this is what places the runtime there.
         gpu_type = m.gpu_type_of(spec, node)
         wanted = m.node_labels(gpu_type)
         have = node.get("metadata", {}).get("labels") or {}
         missing = {k: v for k, v in wanted.items() if have.get(k) != v}
+        if missing or claimed_by != name:
+            await self.kube.patch_metadata("v1", "Node", node_name, labels=missing,
+                                           annotations={m.CLAIM_ANNOTATION: name})
         if missing:
-            await self.kube.patch_labels("v1", "Node", node_name, missing)
             await self._act(body, outcome, "NodeLabelled", f"Labelled node {node_name} with " +
                             ", ".join(f"{k}={v}" for k, v in sorted(missing.items())))
 
@@ -272,16 +288,21 @@ class Reconciler:
             node_name = (body.get("spec") or {}).get("nodeName")
             if node_name:
                 self.node_index[node_name].discard(name)
-                others = self.node_index[node_name]
-                node = await self.kube.get("v1", "Node", node_name)
-                labels = (node or {}).get("metadata", {}).get("labels") or {}
-                ours = [k for k in (m.INFERENCE_NODE_LABEL, m.GPU_TYPE_LABEL) if k in labels]
-                if node is not None and ours and not others:
-                    await self.kube.patch_labels("v1", "Node", node_name, {k: None for k in ours})
-                    await self._act(body, outcome, "NodeUnlabelled",
-                                    f"Removed labels {', '.join(ours)} from node {node_name}")
-                if not others:
+                if not self.node_index[node_name]:
                     self.node_index.pop(node_name, None)
+                node = await self.kube.get("v1", "Node", node_name)
+                meta = (node or {}).get("metadata", {})
+                labels, claimed_by = meta.get("labels") or {}, (meta.get("annotations") or {}).get(m.CLAIM_ANNOTATION)
+                ours = [k for k in (m.INFERENCE_NODE_LABEL, m.GPU_TYPE_LABEL) if k in labels]
+                # Only the InferenceNode that claimed the node unlabels it (a refused second one
+                # must not take the runtime away from the first).
+                if node is not None and claimed_by in (name, None):
+                    if ours or claimed_by:
+                        await self.kube.patch_metadata("v1", "Node", node_name, labels={k: None for k in ours},
+                                                       annotations={m.CLAIM_ANNOTATION: None} if claimed_by else None)
+                    if ours:
+                        await self._act(body, outcome, "NodeUnlabelled",
+                                        f"Removed labels {', '.join(ours)} from node {node_name}")
             child = m.runtime_name(name)
             ns = self.config.runtime_namespace
             for api_version, kind, namespace in (

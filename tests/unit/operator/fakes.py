@@ -76,10 +76,13 @@ class FakeKube:
             return True
         return False
 
-    async def patch_labels(self, api_version, kind, name, labels, namespace=None):
+    async def patch_metadata(self, api_version, kind, name, *, labels=None, annotations=None, namespace=None):
         obj = self.objects[(api_version, kind, namespace, name)]
-        merge(obj["metadata"].setdefault("labels", {}), dict(labels))
-        self.writes.append(("labels", api_version, kind, namespace, name))
+        if labels:
+            merge(obj["metadata"].setdefault("labels", {}), dict(labels))
+        if annotations:
+            merge(obj["metadata"].setdefault("annotations", {}), dict(annotations))
+        self.writes.append(("metadata", api_version, kind, namespace, name))
 
     async def patch_status(self, api_version, kind, name, status, namespace=None):
         obj = self.objects[(api_version, kind, namespace, name)]

@@ -246,3 +246,28 @@ async def test_secret_namespace_change_moves_the_role():
     await rec.reconcile_tenant_quota(new, old)
     roles = [k for k in kube.objects if k[1] == "Role"]
     assert roles == [("rbac.authorization.k8s.io/v1", "Role", "vault", "zl-tenant-team-a")]
+
+
+async def test_a_second_inference_node_for_the_same_node_is_refused_until_the_first_goes():
+    kube, rec, inode = world()
+    await rec.reconcile_inference_node(inode)
+    node = kube.find("v1", "Node", "gpu-node-0")
+    assert node["metadata"]["annotations"][m.CLAIM_ANNOTATION] == "gpu-node-0"
+    second = kube.put({"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode",
+                       "metadata": {"name": "second"},
+                       "spec": {"nodeName": "gpu-node-0", "models": [{"name": "tiny", "source": "/m"}]}})
+    with pytest.raises(WaitingFor):
+        await rec.reconcile_inference_node(copy.deepcopy(second))
+    c = conditions(current(kube, name="second"))
+    assert c["NodeLabelled"]["reason"] == "NodeClaimed" and "gpu-node-0" in c["NodeLabelled"]["message"]
+    assert "zl-runtime-second" not in kube.kinds("DaemonSet")
+    # deleting the refused one leaves the first one's node alone
+    await rec.delete_inference_node(snapshot(kube, name="second"))
+    assert node["metadata"]["labels"][m.INFERENCE_NODE_LABEL] == "true"
+    # once the first is gone the second takes the node over
+    await rec.delete_inference_node(snapshot(kube))
+    del kube.objects[("zerolayer.io/v1alpha1", "InferenceNode", None, "gpu-node-0")]
+    assert m.CLAIM_ANNOTATION not in node["metadata"].get("annotations", {})
+    await rec.reconcile_inference_node(snapshot(kube, name="second"))
+    assert node["metadata"]["annotations"][m.CLAIM_ANNOTATION] == "second"
+    assert "zl-runtime-second" in kube.kinds("DaemonSet")
