@@ -11,6 +11,7 @@ TenantQuotas: create / update / resume, a timer, and a child's deletion.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Awaitable, Mapping
 
@@ -90,9 +91,10 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         # (by the chart): no need to list namespaces or watch CRDs for new resources, so the
         # operator's RBAC needs neither.
         settings.scanning.disabled = True
-        # Probe handlers are not retried for long: /healthz must answer, not hang.
+        # Only the login handler is synchronous; it needs no more threads than this.
         settings.execution.max_workers = 4
-        kube = Kube(Credentials.load(kubeconfig), on_request=metrics.on_request,
+        credentials = await asyncio.to_thread(Credentials.load, kubeconfig)  # reads files
+        kube = Kube(credentials, on_request=metrics.on_request,
                     crd_cache_seconds=config.resync_seconds)
         ns = config.runtime_namespace
         for api_version, kind, namespace in WATCHED_KINDS:
