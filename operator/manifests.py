@@ -378,6 +378,8 @@ def build_clusterrole(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
              "verbs": ["get", "patch"]},
             {"apiGroups": [GROUP], "resources": ["tenantquotas"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": [GROUP], "resources": ["tenantquotas/status"], "verbs": ["get", "patch"]},
+            # gossip and defragd record what they do as Events on the InferenceNode
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
         ],
     }
 

@@ -23,7 +23,7 @@ def test_helm_lint_is_clean(cluster):
 @pytest.mark.parametrize("bad", ["operator.replicas=-1", "operator.logLevel=loud", "runtime.port=80",
                                  "operator.image.pullPolicy=Sometimes", "unknownKey=1"])
 def test_values_schema_rejects_bad_values(cluster, bad):
-    out = cluster.helm("template", "x", CHART, "--set", bad, check=False)
+    out = cluster.helm("template", "x", CHART, "--kube-version", "1.35.0", "--set", bad, check=False)
     assert out.returncode != 0
     assert "values don't meet the specifications of the schema" in out.stderr
 
@@ -80,3 +80,19 @@ def test_install_upgrade_uninstall(cluster):
     # CRDs stay on uninstall (Helm's policy: deleting them would delete every InferenceNode/TenantQuota).
     assert cluster.kubectl("get", "crd", "inferencenodes.zerolayer.io", check=False).returncode == 0
     cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
+
+def test_chart_rbac_is_exactly_what_the_operator_uses(cluster):
+    """One source of truth: the chart's operator rules equal operator/rbac.py."""
+    import yaml
+
+    from zerolayer.operator import rbac
+
+    docs = [d for d in yaml.safe_load_all(cluster.helm("template", "x", CHART, "-n", "ns", "--kube-version", "1.35.0").stdout) if d]
+    by_kind = {d["kind"]: d for d in docs if d["kind"] in ("ClusterRole", "Role")}
+
+    def norm(rules):
+        return sorted((tuple(r.get("apiGroups", [])), tuple(r["resources"]), tuple(r["verbs"])) for r in rules)
+
+    assert norm(by_kind["ClusterRole"]["rules"]) == norm(rbac.CLUSTER_RULES)
+    assert norm(by_kind["Role"]["rules"]) == norm(rbac.RUNTIME_NAMESPACE_RULES)

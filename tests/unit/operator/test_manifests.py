@@ -137,8 +137,9 @@ def test_runtime_rbac_is_least_privilege():
     role = m.build_clusterrole(inode(), CONFIG)
     status_rule = [r for r in role["rules"] if r["resources"] == ["inferencenodes/status"]][0]
     assert status_rule["resourceNames"] == ["gpu-node-0"]
-    verbs = {v for r in role["rules"] for v in r["verbs"]}
+    verbs = {v for r in role["rules"] if r["resources"] != ["events"] for v in r["verbs"]}
     assert verbs <= {"get", "list", "watch", "patch"}
+    assert [r["verbs"] for r in role["rules"] if r["resources"] == ["events"]] == [["create"]]
     assert not any("secrets" in r["resources"] for r in role["rules"])
     binding = m.build_clusterrolebinding(inode(), CONFIG)
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "zl-runtime-gpu-node-0", "namespace": "zl-run"}]
