@@ -11,11 +11,119 @@ runtime works without the ``engine`` extra.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import subprocess
+import sys
 from typing import Any, AsyncIterator, Sequence
 
 from zerolayer.runtime.engine.base import ChatMessage, Delta, EngineStats, Prompt, SamplingOptions
 from zerolayer.runtime.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+# The reaper: a tiny process that outlives the runtime by a moment. It reads "pid starttime"
+# lines on stdin; end of file means the runtime is gone (the kernel closes the pipe whatever
+# killed it), and it then SIGKILLs the listed processes still alive with the same start time.
+_REAPER = r"""
+import os, signal, sys
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)  # a group signal must not take the reaper before the runtime
+def started(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
+listed = [line.split() for line in sys.stdin if line.strip()]
+for pid, start in listed:
+    if started(pid) == start:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks): a pid and its start time name one process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now (read from /proc); empty where /proc is absent."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+class ChildReaper:
+    """Kills the engine's processes when this process dies, however it dies (SIGKILL included).
+
+    vLLM starts its engine core (and that its workers) as separate processes that keep running,
+    holding their memory, when the runtime is killed without a chance to shut them down: nothing
+    in them watches the runtime. :meth:`watch` lists this process's descendants to a reaper
+    process through a pipe; the kernel closes the pipe when this process ends, and the reaper
+    then SIGKILLs every listed process still alive (matched by pid and start time, so a reused pid
+    is never hit). Processes started after :meth:`watch` are not covered: call it once the
+    engine is up, passing what existed before it started (a process another thread started in
+    that window would be listed too). On a clean shutdown the engine has already stopped them and the reaper finds
+    nothing to kill. Linux (/proc) only; elsewhere it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def watch(self, existing: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+        """Hand this process's descendants, less ``existing`` (those that were there before the engine
+        started: never ours to kill), to a (new) reaper; returns their pids."""
+        mine = {self._process.pid} if self._process is not None else set()
+        pids = [p for p in descendants(os.getpid()) if p not in existing and p not in mine]
+        lines = [f"{pid} {start}\n" for pid in pids if (start := _start_time(pid)) is not None]
+        if not lines:
+            return []
+        self.close()
+        try:
+            self._process = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE,
+                                             stdout=subprocess.DEVNULL, close_fds=True)
+            assert self._process.stdin is not None
+            self._process.stdin.write("".join(lines).encode())
+            self._process.stdin.flush()  # stays open: its end of file is the signal
+        except OSError as exc:
+            log.warning("cannot start the engine-process reaper (%s): vLLM's processes will outlive a "
+                        "killed runtime", exc)
+            self._process = None
+            return []
+        return [int(line.split()[0]) for line in lines]
+
+    def close(self) -> None:
+        """End the reaper now (it kills any listed process still alive: call after the engine stopped)."""
+        process, self._process = self._process, None
+        if process is not None:
+            assert process.stdin is not None
+            process.stdin.close()
+            process.wait()
 
 
 class VllmEngine:
@@ -48,6 +156,7 @@ class VllmEngine:
         self._llm: Any = None
         self._tokenizer: Any = None
         self._stats = EngineStats(running=0, waiting=0, kv_cache_usage=0.0)
+        self._reaper = ChildReaper()
 
     async def start(self) -> None:
         """Start AsyncLLM. Blocks the loop while vLLM spawns its processes: call before serving."""
@@ -79,16 +188,43 @@ class VllmEngine:
             def log_engine_initialized(self) -> None:
                 pass
 
+        before = set(descendants(os.getpid()))
         try:
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args), stat_loggers=[_StatsSink])
             self._tokenizer = self._llm.get_tokenizer()
         except Exception as exc:  # vLLM raises plain RuntimeError/ValueError for bad configs
             raise EngineError(f"vLLM failed to start with model {self.model_path!r}: {exc}") from exc
+        self._reaper.watch(before)  # vLLM's processes now exist: they die with this one, even on SIGKILL
 
     async def close(self) -> None:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()
+        self._reaper.close()
+
+    async def release_memory(self) -> None:
+        """Drop vLLM's cached prefix blocks so their KV pages return to the free pool (SIGUSR1 from
+        gpu-defragd, :mod:`zerolayer.runtime.defrag.release`). Running requests keep their blocks."""
+        if self._llm is None:
+            return
+        try:
+            reset = await self._llm.reset_prefix_cache()
+        except Exception as exc:  # vLLM's own errors (engine dead, RPC failure)
+            raise EngineError(f"vLLM reset_prefix_cache failed: {exc}") from exc
+        if reset is False:  # vLLM declines while blocks are still in use by running requests
+            log.info("vLLM kept its prefix cache: blocks still in use")
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """KV-cache size in tokens (blocks x block size) once started; ``None`` when vLLM does not say."""
+        if self._llm is None:
+            return None
+        cache = getattr(getattr(self._llm, "vllm_config", None), "cache_config", None)
+        blocks = getattr(cache, "num_gpu_blocks", None)  # the engine core reports it back at start
+        block_size = getattr(cache, "block_size", None)
+        if not blocks or not block_size:
+            return None
+        return int(blocks) * int(block_size)
 
     def ready(self) -> bool:
         return self._llm is not None and not self._llm.errored
