@@ -28,7 +28,7 @@ def h2spec_binary() -> str | None:
 async def test_h2spec_all_cases_pass():
     binary = h2spec_binary()
     if binary is None:
-        pytest.skip("h2spec is not built: run the control-plane build (zerolayer cluster build) first")
+        pytest.skip("h2spec is not built: `zerolayer cluster up` builds it into the control-plane cache")
     async with start_runtime() as server:
         proc = await asyncio.create_subprocess_exec(
             binary, "-h", "127.0.0.1", "-p", str(server.port), "--timeout", "5",
