@@ -17,10 +17,8 @@ while the node set is stable, and only ~1/N of sessions move when a node joins o
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import datetime
-import hashlib
 import logging
 import threading
 from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence
@@ -281,26 +279,6 @@ class KubernetesNodeMap(_PollingMap):
 
 
 # --------------------------------------------------------------------------- consistent hashing
-def _hash(key: str) -> int:
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-
-
-class HashRing:
-    """Consistent hashing with ``vnodes`` points per node name."""
-
-    def __init__(self, names: Iterable[str], vnodes: int = 64) -> None:
-        points = sorted((_hash(f"{name}#{i}"), name) for name in set(names) for i in range(vnodes))
-        self._keys = [p[0] for p in points]
-        self._names = [p[1] for p in points]
-
-    def walk(self, key: str) -> Iterator[str]:
-        """Distinct node names in ring order from ``key``'s position: the owner first."""
-        if not self._keys:
-            return
-        start = bisect.bisect(self._keys, _hash(key))
-        seen: set[str] = set()
-        for i in range(len(self._keys)):
-            name = self._names[(start + i) % len(self._keys)]
-            if name not in seen:
-                seen.add(name)
-                yield name
+# One ring for the whole fleet: runtimes (alternatives), `zerolayer map` and the SDK must agree on
+# which node owns a session, so the SDK uses the GPU-map reader's ring (zerolayer core, not runtime).
+from zerolayer.gpumap import HashRing  # noqa: E402  (re-exported: zerolayer.client.HashRing)
