@@ -36,6 +36,8 @@ def started(pid):
     except OSError:
         return None
 listed = [line.split() for line in sys.stdin if line.strip()]
+if listed and listed[-1] == ["release"]:  # a clean stop: the engine ended its processes itself
+    listed = []
 for pid, start in listed:
     if started(pid) == start:
         try:
@@ -86,7 +88,7 @@ class ChildReaper:
     in them watches the runtime. :meth:`watch` lists this process's descendants to a reaper
     process through a pipe; the kernel closes the pipe when this process ends, and the reaper
     then SIGKILLs every listed process still alive (matched by pid and start time, so a reused pid
-    is never hit). Processes started after :meth:`watch` are not covered: call it once the
+    is never hit). :meth:`close` (a clean stop) releases them unkilled. Processes started after :meth:`watch` are not covered: call it once the
     engine is up, passing what existed before it started (a process another thread started in
     that window would be listed too). On a clean shutdown the engine has already stopped them and the reaper finds
     nothing to kill. Linux (/proc) only; elsewhere it does nothing.
@@ -99,7 +101,12 @@ class ChildReaper:
         """Hand this process's descendants, less ``existing`` (those that were there before the engine
         started: never ours to kill), to a (new) reaper; returns their pids."""
         mine = {self._process.pid} if self._process is not None else set()
-        pids = [p for p in descendants(os.getpid()) if p not in existing and p not in mine]
+        # multiprocessing's resource tracker serves this whole process (vLLM merely started it
+        # first): killing it would make the next engine start warn, and it ends on its own.
+        from multiprocessing import resource_tracker
+
+        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+        pids = [p for p in descendants(os.getpid()) if p not in existing and p not in mine and p != tracker]
         lines = [f"{pid} {start}\n" for pid in pids if (start := _start_time(pid)) is not None]
         if not lines:
             return []
@@ -118,11 +125,15 @@ class ChildReaper:
         return [int(line.split()[0]) for line in lines]
 
     def close(self) -> None:
-        """End the reaper now (it kills any listed process still alive: call after the engine stopped)."""
+        """End the reaper without killing anything: the engine stopped its processes itself."""
         process, self._process = self._process, None
         if process is not None:
             assert process.stdin is not None
-            process.stdin.close()
+            try:
+                process.stdin.write(b"release\n")
+                process.stdin.close()
+            except OSError:  # the reaper is already gone
+                pass
             process.wait()
 
 

@@ -28,8 +28,10 @@ import os
 before = set(descendants(os.getpid()))
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 reaper = ChildReaper()  # kept: its pipe must stay open until this process dies
-if sys.argv[1] == "reaper":
+if sys.argv[1] in ("reaper", "released"):
     assert reaper.watch(before) == [child.pid]
+if sys.argv[1] == "released":
+    reaper.close()  # a clean engine stop
 time.sleep(0.5)
 assert child.poll() is None  # the reaper waits for this process's end
 print(child.pid, flush=True)
@@ -77,6 +79,11 @@ def test_reaper_kills_the_engine_processes_of_a_killed_runtime():
 def test_without_the_reaper_the_child_is_orphaned():
     """The control: what happened to vLLM's engine core before."""
     assert orphan_after_kill("none") is not None
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_reaper_kills_nothing():
+    assert orphan_after_kill("released") is not None
 
 
 @pytest.mark.timeout(60)
