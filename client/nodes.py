@@ -180,15 +180,19 @@ class HttpNodeMap(_PollingMap):
     The document may be a list of InferenceNode objects, ``{"nodes": [...]}`` or one
     node's record; see :func:`nodes_from_document`. A failed poll keeps the previous
     snapshot (the nodes then go stale by their heartbeats) and is kept in ``last_error``.
+    The runtime's ``/v1/zerolayer/map`` reveals every node's endpoint and load, so it wants a
+    tenant key: pass ``api_key`` (the same key the client uses).
     """
 
-    def __init__(self, url: str, *, interval_s: float = 1.0, timeout_s: float = 2.0, http2_prior_knowledge: bool = True) -> None:
+    def __init__(self, url: str, *, api_key: str | None = None, interval_s: float = 1.0, timeout_s: float = 2.0,
+                 http2_prior_knowledge: bool = True) -> None:
         super().__init__()
         import httpx  # only the HTTP source needs it
 
         self.url = url
         self.interval_s = interval_s
-        self._http = httpx.Client(http1=not http2_prior_knowledge, http2=True, timeout=timeout_s)
+        headers = {"x-api-key": api_key} if api_key else {}
+        self._http = httpx.Client(http1=not http2_prior_knowledge, http2=True, timeout=timeout_s, headers=headers)
         self._httpx = httpx
         self._start(self._run, "zerolayer-node-map-http")
 

@@ -92,13 +92,17 @@ async def test_sdk_node_map_parses_the_map_the_runtime_serves():
         nodes = client_nodes.nodes_from_document(answer.json())
         assert sorted((n.name, n.endpoint, n.admitting) for n in nodes) == [
             ("a", "http://10.0.0.1:8080", True), ("b", "http://10.0.0.2:8080", True)]
-        # HttpNodeMap sends no tenant key, so against this runtime its poll is refused, loudly.
-        node_map = client_nodes.HttpNodeMap(url, interval_s=3600)
+        # Without a tenant key the SDK's HttpNodeMap is refused, loudly; with one it reads the map.
+        anonymous_map = client_nodes.HttpNodeMap(url, interval_s=3600)
+        keyed_map = client_nodes.HttpNodeMap(url, api_key=KEY, interval_s=3600)
         try:
             with pytest.raises(ZerolayerError, match="401"):
-                await asyncio.to_thread(node_map.poll_once)
+                await asyncio.to_thread(anonymous_map.poll_once)
+            polled = await asyncio.to_thread(keyed_map.poll_once)
+            assert sorted(n.name for n in polled) == ["a", "b"]
         finally:
-            node_map.close()
+            anonymous_map.close()
+            keyed_map.close()
 
 
 async def test_map_endpoint_is_404_without_gossip():
