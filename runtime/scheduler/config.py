@@ -61,6 +61,9 @@ class SchedulerConfig:
     #: When set, tokens reserved by admissions after the last sample are added to that
     #: sample's fraction, so a burst between two samples cannot run past the marks unseen.
     kv_capacity_tokens: int = 0
+    #: when ``kv_capacity_tokens`` is 0, take the engine's KV-cache size at start (projection on);
+    #: False keeps projection off: shedding then reacts to samples only.
+    adopt_engine_kv_capacity: bool = True
 
     # --- quota
     quota_window_s: float = 60.0

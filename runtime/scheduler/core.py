@@ -93,8 +93,9 @@ class MicroScheduler:
 
     def adopt_kv_capacity(self, tokens: int) -> bool:
         """Project with the engine's KV-cache size (``tokens``) when the config left
-        ``kv_capacity_tokens`` unset (0); a configured size wins. True if adopted."""
-        if tokens <= 0 or self.config.kv_capacity_tokens > 0:
+        ``kv_capacity_tokens`` unset (0) and ``adopt_engine_kv_capacity`` on; a configured size
+        wins. True if adopted."""
+        if tokens <= 0 or self.config.kv_capacity_tokens > 0 or not self.config.adopt_engine_kv_capacity:
             return False
         with self._lock:
             self.config = self._state.config = dataclasses.replace(self.config, kv_capacity_tokens=tokens)
