@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from zerolayer.runtime.config import build_server, load_config, load_mapping, parse_config
 
     reader = None
+    inode = None
+    base: dict = {}
     node = getattr(args, "node_name", None) or os.environ.get("ZEROLAYER_NODE_NAME")
     try:
         # The operator's pods run `zerolayer runtime --node-name=N ...` with no config file: that is in-cluster mode.
@@ -89,6 +91,17 @@ def run(args: argparse.Namespace) -> int:
         await server.start()
         if sync is not None:
             sync.start()
+        spec_sync = None
+        if reader is not None and inode is not None:
+            from zerolayer.runtime.incluster import NodeSpecSync
+            from zerolayer.runtime.scheduler import SchedulerConfig
+
+            def apply_scheduler(marks) -> None:  # type: ignore[no-untyped-def]
+                server.scheduler.reconfigure(SchedulerConfig.from_mapping(marks))
+
+            spec_sync = NodeSpecSync(reader, node, base, apply_scheduler, interval_s=args.tenant_sync_seconds)
+            spec_sync.prime(inode)
+            spec_sync.start()
         agent = await start_node_agent(args, server)  # SIGUSR1 release; gossip with --node-name
         if agent.watcher is not None:  # alternatives on pressure refusals, GET /v1/zerolayer/map
             server.use_fleet(agent.fleet, self_name=getattr(args, "node_name", None))
@@ -99,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if sync is not None:
                 await sync.stop()
+            if spec_sync is not None:
+                await spec_sync.stop()
             await agent.stop()
             probe.close()
 

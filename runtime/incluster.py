@@ -255,3 +255,79 @@ class TenantSync:
                 await self._task
             except asyncio.CancelledError:
                 pass
+
+
+# What a running runtime can take from an edited InferenceNode without a restart, and what not.
+LIVE_KEYS = ("scheduler",)
+RESTART_KEYS = ("engine", "listen", "telemetry", "limits")
+
+
+class NodeSpecSync:
+    """Applies edits of this node's InferenceNode to the running runtime.
+
+    Scheduler settings (shedding marks, preemption) apply live through ``apply_scheduler``;
+    a change that needs a new process (engine, model, port, sampling period, limits) is
+    logged once per new spec and reported through ``restart_needed`` — in a cluster the
+    runtime's pod is the unit of that change.
+    """
+
+    def __init__(self, reader: Any, node: str, base: Mapping[str, Any] | None,
+                 apply_scheduler: Callable[[Mapping[str, Any]], None], *, interval_s: float = 10.0) -> None:
+        self.reader = reader
+        self.node = node
+        self.base = dict(base or {})
+        self.apply_scheduler = apply_scheduler
+        self.interval_s = interval_s
+        self._applied: dict[str, Any] | None = None
+        self.restart_needed: list[str] = []
+        self.errors = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def prime(self, inode: Mapping[str, Any]) -> None:
+        """Remember the spec the process was started from."""
+        self._applied = config_from_inferencenode(inode, self.base)
+
+    async def sync_once(self) -> bool:
+        """Read the InferenceNode; True when scheduler settings were applied."""
+        inode = await asyncio.to_thread(self.reader.inference_node, self.node)
+        if inode is None:
+            log.warning("InferenceNode %s not found; keeping the current settings", self.node)
+            return False
+        wanted = config_from_inferencenode(inode, self.base)
+        previous = self._applied
+        if previous is None:
+            self._applied = wanted
+            return False
+        stale = [k for k in RESTART_KEYS if wanted.get(k) != previous.get(k)]
+        if stale and not set(stale) <= set(self.restart_needed):
+            self.restart_needed = sorted(set(self.restart_needed) | set(stale))
+            log.warning("InferenceNode %s changed %s: takes effect when the runtime restarts",
+                        self.node, ", ".join(stale))
+        applied = False
+        if wanted.get("scheduler") != previous.get("scheduler"):
+            self.apply_scheduler(wanted.get("scheduler") or {})  # raises on invalid marks: nothing recorded
+            log.info("InferenceNode %s: scheduler settings applied live: %s", self.node, wanted.get("scheduler"))
+            applied = True
+        self._applied = wanted
+        return applied
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.sync_once()
+            except (ClusterReadError, ConfigError, ValueError) as exc:  # SchedulerConfigError is a ValueError
+                self.errors += 1
+                log.warning("InferenceNode sync failed (keeping the current settings): %s", exc)
+
+    def start(self) -> "NodeSpecSync":
+        self._task = asyncio.get_running_loop().create_task(self.run())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass

@@ -91,6 +91,22 @@ class MicroScheduler:
         with self._lock:
             return len(self._streams)
 
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """Apply new settings to a running scheduler (an edited InferenceNode, no restart).
+
+        Shedding marks, preemption and retry settings take effect at the next decision; a class
+        that is shedding keeps shedding until a sample falls below its new resume mark. Open
+        streams and quota reservations are untouched. A KV capacity adopted from the engine is
+        kept when the new config leaves it at 0 and still allows adoption.
+        """
+        with self._lock:
+            if (config.kv_capacity_tokens == 0 and config.adopt_engine_kv_capacity
+                    and self.config.adopt_engine_kv_capacity):
+                config = dataclasses.replace(config, kv_capacity_tokens=self.config.kv_capacity_tokens)
+            self.config = self._state.config = config
+            self._state.gate.retune(config)
+            self._state.projection.capacity_tokens = config.kv_capacity_tokens
+
     def adopt_kv_capacity(self, tokens: int) -> bool:
         """Project with the engine's KV-cache size (``tokens``) when the config left
         ``kv_capacity_tokens`` unset (0) and ``adopt_engine_kv_capacity`` on; a configured size

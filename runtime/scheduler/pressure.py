@@ -49,6 +49,11 @@ class PressureGate:
     def from_config(cls, config: SchedulerConfig) -> "PressureGate":
         return cls({p: config.watermarks(p) for p in SHED_CLASSES})
 
+    def retune(self, config: SchedulerConfig) -> None:
+        """New marks from ``config``; each class keeps whether it is shedding (the next sample decides)."""
+        for priority, state in self._classes.items():
+            state.marks = config.watermarks(priority)
+
     def update(self, memory_fraction: float, sampled_at: float) -> list[Transition]:
         """Feed one sample; returns the classes whose state changed (usually none)."""
         self.last_fraction = memory_fraction
