@@ -255,7 +255,8 @@ def test_deletion_removes_labels_and_children(cluster, env):
     cluster.kubectl("delete", "tenantquota", tq, "--timeout=60s")
     labels = objects.get("node", node)["metadata"]["labels"]
     assert "zerolayer.io/inference-node" not in labels and "zerolayer.io/gpu-type" not in labels
-    assert not any(children(objects, name).values())
+    # Children go in the finalizer; a DaemonSet deleted in the foreground lingers until its pods are gone.
+    cluster.wait_for(lambda: not any(children(objects, name).values()), timeout=60, what="children deleted")
     for kind in ("networkpolicy", "role", "rolebinding"):
         assert objects.get(kind, f"zl-tenant-{tq}", objects.namespace) is None
     messages = [e["message"] for e in objects.events("InferenceNode", name)]
@@ -334,7 +335,7 @@ def test_operator_works_with_only_its_documented_rbac(cluster, tmp_path):
         assert all(children(objects, inode).values())
         cluster.kubectl("delete", "inferencenode", inode, "--timeout=60s")
         cluster.kubectl("delete", "tenantquota", tq, "--timeout=60s")
-        assert not any(children(objects, inode).values())
+        cluster.wait_for(lambda: not any(children(objects, inode).values()), timeout=60, what="children deleted")
         # our KubeError says "403 Forbidden", kopf's APIForbiddenError; both contain the word
         assert "Forbidden" not in operator.log(), operator.log()[-3000:]
     finally:
