@@ -25,4 +25,4 @@ python3 -m zerolayer.runtime.install_engine
 # 4. The local control plane's binaries (cached).
 python3 -c "from zerolayer.cluster.build import ensure_binaries; print('control plane binaries:', ensure_binaries().bin_dir)"
 # A cluster left half-dead by an interrupted earlier run would make the e2e fixture refuse to start.
-zerolayer cluster status >/dev/null 2>&1 || zerolayer cluster down >/dev/null 2>&1 || true
+python3 -m zerolayer.cli cluster status >/dev/null 2>&1 || python3 -m zerolayer.cli cluster down >/dev/null 2>&1 || true
