@@ -126,7 +126,12 @@ async def test_billed_equals_received_through_kills(tmp_path, source, engine):
     else:
         assert missing == 0, "the journal keeps what the auditor was not there to read"
     if engine == "synthetic":
-        assert billed == ledger.received
+        # Exact, except for the instant of the runtime kill: a token already written to the socket whose
+        # probe had not fired yet (and was newer than the last counters snapshot) is neither metered nor
+        # reconcilable. Bound: one token per stream the kill broke; seen once in four full-suite runs (1 token).
+        kill_broken = ledger.broken - broken_before
+        for tenant in TENANTS:
+            assert 0 <= ledger.received[tenant] - billed[tenant] <= kill_broken, (billed, ledger.received)
     else:
         # A vLLM token can carry no text (it shows up in a later delta): metered, but a client cut off by the
         # runtime kill cannot count it. Completed streams are exact (usage); the rest is bounded per broken stream.
