@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
+LINGER_S = 1.0  # how long a closed connection keeps reading (and dropping) before the socket goes
+
 
 _HTTP1_REQUEST_LINE = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/1\.[01]\r?\n")
 _MAX_SNIFF = 8192
@@ -118,6 +120,8 @@ class Connection(asyncio.Protocol):
         self._timer = loop.create_task(self._keepalive())
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return  # lingering after our GOAWAY/close: the peer's late bytes are read and dropped
         if self.core is None:
             self._sniff += data
             version = sniff_protocol(self._sniff)
@@ -218,7 +222,27 @@ class Connection(asyncio.Protocol):
             self.closed = True
             for task in self._tasks.values():
                 task.cancel()
-            self.transport.close()
+            self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Close after the peer could read our last frames (a GOAWAY with its error code).
+
+        Closing a socket whose receive buffer still holds unread bytes makes the kernel send a
+        TCP RST, which can overtake the GOAWAY at the peer (seen with h2spec 6.7/4). So: send
+        FIN after what is queued, drop whatever still arrives, and close for good a moment later.
+        """
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not transport.can_write_eof():  # TLS: no half-close
+            transport.close()
+            return
+        try:
+            transport.write_eof()
+        except OSError:  # the peer is already gone: nothing to linger for
+            transport.close()
+            return
+        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     async def wait_writable(self, sid: int) -> None:
         core = self.core
