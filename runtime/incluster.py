@@ -195,7 +195,28 @@ class KubeReader:
         return {"data": dict(found.data or {}), "stringData": dict(getattr(found, "string_data", None) or {})}
 
 
-class TenantSync:
+class _Periodic:
+    """A background ``run()`` task on the running loop, started once and cancelled on stop."""
+
+    _task: "asyncio.Task[None] | None" = None
+
+    async def run(self) -> None:
+        raise NotImplementedError
+
+    def start(self):  # type: ignore[no-untyped-def]
+        self._task = asyncio.get_running_loop().create_task(self.run())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+
+class TenantSync(_Periodic):
     """Keeps a running server's tenants equal to the cluster's TenantQuotas and their Secrets.
 
     ``reader`` needs ``tenant_quotas()`` and ``secret(namespace, name)`` (a
@@ -209,7 +230,6 @@ class TenantSync:
         self.namespace = namespace
         self.interval_s = interval_s
         self._last: str | None = None
-        self._task: asyncio.Task[None] | None = None
         self.errors = 0
 
     def read(self) -> list[Tenant]:
@@ -244,17 +264,6 @@ class TenantSync:
                 log.warning("tenant sync failed (keeping the current tenants): %s", exc)
             await asyncio.sleep(self.interval_s)
 
-    def start(self) -> "TenantSync":
-        self._task = asyncio.get_running_loop().create_task(self.run())
-        return self
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
 
 
 # What a running runtime can take from an edited InferenceNode without a restart, and what not.
@@ -262,7 +271,7 @@ LIVE_KEYS = ("scheduler",)
 RESTART_KEYS = ("engine", "listen", "telemetry", "limits")
 
 
-class NodeSpecSync:
+class NodeSpecSync(_Periodic):
     """Applies edits of this node's InferenceNode to the running runtime.
 
     Scheduler settings (shedding marks, preemption) apply live through ``apply_scheduler``;
@@ -281,7 +290,6 @@ class NodeSpecSync:
         self._applied: dict[str, Any] | None = None
         self.restart_needed: list[str] = []
         self.errors = 0
-        self._task: asyncio.Task[None] | None = None
 
     def prime(self, inode: Mapping[str, Any]) -> None:
         """Remember the spec the process was started from."""
@@ -320,14 +328,3 @@ class NodeSpecSync:
                 self.errors += 1
                 log.warning("InferenceNode sync failed (keeping the current settings): %s", exc)
 
-    def start(self) -> "NodeSpecSync":
-        self._task = asyncio.get_running_loop().create_task(self.run())
-        return self
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
