@@ -45,24 +45,32 @@ def encode_record(runtime_id: int, seq: int, wall_ns: int, tenant: str, model: s
     return _LEN.pack(_LEN.size + len(body)) + body
 
 
-def decode_records(buffer: bytes, pid: int = 0) -> tuple[list[TokenEvent], int]:
+def decode_records(buffer: bytes, pid: int = 0, *, wall_ns: int | None = None, cgroup_id: int = 0,
+                   source: str = "journal") -> tuple[list[TokenEvent], int]:
     """Decode complete records from ``buffer``; returns the events and the bytes consumed.
 
-    A trailing partial record (a writer caught mid-write) is left for the next read.
+    A trailing partial record (a writer caught mid-write) is left for the next read. ``wall_ns``
+    (the kernel's timestamp of a BPF batch) replaces the runtime's own; ``pid``, ``cgroup_id`` and
+    ``source`` are stamped on every event.
     """
     events: list[TokenEvent] = []
-    pos = 0
-    while pos + _LEN.size <= len(buffer):
-        (length,) = _LEN.unpack_from(buffer, pos)
-        if length < _LEN.size + _FIXED.size:
+    append = events.append
+    unpack_len, unpack_fixed = _LEN.unpack_from, _FIXED.unpack_from
+    head, size = _LEN.size, _LEN.size + _FIXED.size
+    pos, end = 0, len(buffer)
+    while pos + head <= end:
+        (length,) = unpack_len(buffer, pos)
+        if length < size:
             raise ValueError(f"corrupt journal record at byte {pos}: length {length}")
-        if pos + length > len(buffer):
+        if pos + length > end:
             break
-        runtime_id, seq, wall_ns, inp, out, flags = _FIXED.unpack_from(buffer, pos + _LEN.size)
-        strings = buffer[pos + _LEN.size + _FIXED.size:pos + length].split(b"\0")
+        runtime_id, seq, wall, inp, out, flags = unpack_fixed(buffer, pos + head)
+        strings = buffer[pos + size:pos + length].split(b"\0")
         if len(strings) != 3:
             raise ValueError(f"corrupt journal record at byte {pos}: {len(strings)} strings")
-        tenant, model, request_id = (s.decode("utf-8", "replace") for s in strings)
-        events.append(TokenEvent(runtime_id, seq, wall_ns, tenant, model, request_id, inp, out, flags, pid))
+        tenant, model, request_id = strings
+        append(TokenEvent(runtime_id, seq, wall if wall_ns is None else wall_ns, tenant.decode("utf-8", "replace"),
+                          model.decode("utf-8", "replace"), request_id.decode("utf-8", "replace"), inp, out, flags,
+                          pid, cgroup_id, source))
         pos += length
     return events, pos

@@ -22,6 +22,10 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--audit-journal", action="store_true",
                         default=os.environ.get("ZEROLAYER_AUDIT_JOURNAL", "") not in ("", "0", "false"),
                         help="also write token events to the spool journal: metering for hosts without BPF")
+    parser.add_argument("--audit-window-ms", type=float, default=float(os.environ.get("ZEROLAYER_AUDIT_WINDOW_MS", 50)),
+                        help="metering window: one token event per request per window (default 50 ms; 0: every "
+                             "event-loop iteration). A runtime killed with SIGKILL leaves its last window "
+                             "unmetered (env ZEROLAYER_AUDIT_WINDOW_MS)")
 
 
 def attach_token_probe(args: argparse.Namespace, server: Any) -> TokenProbe:
@@ -31,7 +35,7 @@ def attach_token_probe(args: argparse.Namespace, server: Any) -> TokenProbe:
     once asked for.
     """
     try:
-        probe = TokenProbe(args.audit_spool, journal=bool(args.audit_journal))
+        probe = TokenProbe(args.audit_spool, journal=bool(args.audit_journal), window_s=args.audit_window_ms / 1000)
     except AuditError as exc:
         print(f"zerolayer runtime: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import os
 import pathlib
 import struct
@@ -21,21 +22,18 @@ import time
 from typing import Iterable
 
 from zerolayer.bpf.errors import BpfUnavailable
-from zerolayer.bpf.events import TokenEvent
+from zerolayer.bpf.events import TokenEvent, decode_records
 from zerolayer.bpf.probes import probe_library
 
+log = logging.getLogger(__name__)
 PROGRAM = pathlib.Path(__file__).with_name("token_events.bpf.c")
 TRACEFS = pathlib.Path("/sys/kernel/tracing")
 DEBIAN_DIST_PACKAGES = "/usr/lib/python3/dist-packages"
 PAGE = 4096
 
 
-# struct token_event in token_events.bpf.c (natural alignment, no padding: 8-byte fields first).
-EVENT = struct.Struct("<QQQQIIII64s128s64s")
-
-
-def _text(raw: bytes) -> str:
-    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+# struct batch_header in token_events.bpf.c: ktime_ns, cgroup_id, pid, count, len, pad.
+HEADER = struct.Struct("<QQIIII")
 
 
 def import_bcc():  # type: ignore[no-untyped-def]
@@ -120,7 +118,7 @@ class BpfTokenSource:
         library = library or probe_library()
         try:
             usdt = bcc.USDT(path=library)
-            usdt.enable_probe(probe="token", fn_name="on_token")
+            usdt.enable_probe(probe="tokens", fn_name="on_tokens")
             # bytes everywhere: bcc warns (DeprecationWarning) on str arguments
             self.bpf = bcc.BPF(text=self.text.encode(), usdt_contexts=[usdt])
             for pid in self.pids:
@@ -133,32 +131,46 @@ class BpfTokenSource:
             raise BpfUnavailable(f"cannot load the BPF program: {exc}") from exc
         # ktime is CLOCK_MONOTONIC; events are stored with wall time.
         self._wall_offset_ns = time.time_ns() - time.monotonic_ns()
-        self._batch: list[TokenEvent] = []
+        self._raw: list[bytes] = []
+        self.batches = 0
+        self.corrupt = 0  # batches whose records did not decode (counted in lost())
 
     def _on_event(self, ctx, data, size) -> int:  # type: ignore[no-untyped-def]
-        # One struct.unpack instead of bcc's ctypes view: this runs once per token.
-        rid, seq, ktime, cgroup, pid, inp, out, flags, tenant, model, request = EVENT.unpack(
-            ctypes.string_at(data, EVENT.size))
-        self._batch.append(TokenEvent(
-            rid, seq, ktime + self._wall_offset_ns, _text(tenant), _text(model), _text(request), inp, out, flags,
-            pid, cgroup, "bpf"))
+        # Runs once per batch: copy the bytes out, decode after the drain.
+        self._raw.append(ctypes.string_at(data, size))
         return 0
 
     def poll(self, timeout_ms: int = 100) -> list[TokenEvent]:
         """Sleeps ``min(timeout_ms, drain interval)``, then returns every event submitted so far.
 
         The program submits without waking us (BPF_RB_NO_WAKEUP): draining on a timer costs one
-        wakeup per interval instead of one per event, on both sides. ``poll(0)`` never sleeps.
+        wakeup per interval instead of one per batch, on both sides. ``poll(0)`` never sleeps.
         """
         if timeout_ms > 0:
             time.sleep(min(timeout_ms / 1000, self.drain_interval_s))
         self.bpf.ring_buffer_consume()
-        batch, self._batch = self._batch, []
-        return batch
+        raw, self._raw = self._raw, []
+        events: list[TokenEvent] = []
+        offset = self._wall_offset_ns
+        for record in raw:
+            ktime, cgroup, pid, count, length, _ = HEADER.unpack_from(record)
+            try:
+                batch, used = decode_records(record[HEADER.size:HEADER.size + length], pid, wall_ns=ktime + offset,
+                                             cgroup_id=cgroup, source="bpf")
+                if used != length or len(batch) != count:
+                    raise ValueError(f"{len(batch)} of {count} events in {used} of {length} bytes")
+            except ValueError as exc:
+                # Not the runtime's records: count them as lost (never silent) and keep going.
+                self.corrupt += count
+                log.error("dropping a corrupt token batch from pid %d: %s", pid, exc)
+                continue
+            events.extend(batch)
+        self.batches += len(raw)
+        return events
 
     def lost(self) -> int:
-        """Events the kernel could not queue because the ring buffer was full (since attach)."""
-        return int(sum(self.bpf[b"lost"].getvalue(0)))
+        """Events lost since attach: the ring buffer was full, or a batch could not be read or decoded."""
+        return int(sum(self.bpf[b"lost"].getvalue(0))) + self.corrupt
 
     def add_pid(self, pid: int) -> None:
         """Meter this process from now on (only when the program filters by pid)."""

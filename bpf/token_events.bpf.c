@@ -1,37 +1,47 @@
-// Token events from the runtime's USDT probe zerolayer:token (bpf/_probes.c) to user space.
+// Token events from the runtime's USDT probe zerolayer:tokens (bpf/_probes.c) to user space.
 //
 // bcc style: the loader (bpf/loader.py) fills the placeholders in capitals and prints the result
-// with --print-bpf. Each event gains the kernel's view: a CLOCK_MONOTONIC timestamp, the cgroup
-// id of the emitting task and its pid. Events go through one BPF ring buffer; an event that finds
-// the buffer full is counted in `lost`, never dropped silently. Size the ring for the node's peak
-// event rate times the drain interval (events are ~300 bytes).
+// with --print-bpf. The runtime fires the probe once per event-loop iteration with a batch of
+// token events (journal-format records, ~110 bytes each). The program keeps only the processes or
+// cgroups it is told about, copies the batch from the runtime's memory and adds the kernel's view:
+// a CLOCK_MONOTONIC timestamp, the cgroup id of the emitting task and its pid. Batches go through
+// one BPF ring buffer; a batch that finds the buffer full is counted in `lost` (by its events),
+// never dropped silently. Size the ring for the node's peak token rate times the drain interval.
 #include <uapi/linux/ptrace.h>
 
-#define TENANT_LEN 64
-#define MODEL_LEN 128
-#define REQUEST_ID_LEN 64
+#define MAX_BATCH 16384  // a batch holds fewer bytes than this (MAX_BATCH in bpf/_probes.c)
 
-struct token_event {
-    u64 runtime_id;
-    u64 seq;
+struct batch_header {
     u64 ktime_ns;
     u64 cgroup_id;
     u32 pid;
-    u32 input_tokens;
-    u32 output_tokens;
-    u32 flags;
-    char tenant[TENANT_LEN];
-    char model[MODEL_LEN];
-    char request_id[REQUEST_ID_LEN];
+    u32 count;  // events in the batch
+    u32 len;    // bytes of records that follow
+    u32 pad;
+};
+
+struct batch {
+    struct batch_header h;
+    char data[MAX_BATCH];
 };
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
-BPF_PERCPU_ARRAY(lost, u64, 1);
+// [0] events lost to a full ring buffer, [1] batches the program could not read (too large, unmapped).
+BPF_PERCPU_ARRAY(lost, u64, 2);
+// 16 KiB does not fit the 512-byte BPF stack (and a per-CPU value is at most 32 KiB): one scratch batch per CPU.
+BPF_PERCPU_ARRAY(scratch, struct batch, 1);
 // Filters, filled by user space: attach by process (tgid) or by cgroup (id = cgroup v2 inode).
 BPF_HASH(target_pids, u32, u8, 4096);
 BPF_HASH(target_cgroups, u64, u8, 4096);
 
-int on_token(struct pt_regs *ctx)
+static __always_inline void count_lost(int slot, u64 n)
+{
+    u64 *total = lost.lookup(&slot);
+    if (total)
+        *total += n;
+}
+
+int on_tokens(struct pt_regs *ctx)
 {
     u32 pid = bpf_get_current_pid_tgid() >> 32;
     u64 cgroup_id = bpf_get_current_cgroup_id();
@@ -40,30 +50,28 @@ int on_token(struct pt_regs *ctx)
     if (FILTER_CGROUPS && !target_cgroups.lookup(&cgroup_id))
         return 0;
 
-    struct token_event *e = events.ringbuf_reserve(sizeof(struct token_event));
-    if (!e) {
-        int zero = 0;
-        u64 *count = lost.lookup(&zero);
-        if (count)
-            *count += 1;
+    u64 ptr = 0, len = 0;
+    u32 count = 0;
+    bpf_usdt_readarg(1, ctx, &ptr);
+    bpf_usdt_readarg(2, ctx, &len);
+    bpf_usdt_readarg(3, ctx, &count);
+    int zero = 0;
+    struct batch *b = scratch.lookup(&zero);
+    if (!b)
+        return 0;
+    // Batches are smaller than MAX_BATCH (the runtime fires at 8 KiB); the mask tells the verifier so.
+    if (len == 0 || len >= MAX_BATCH || bpf_probe_read_user(b->data, len & (MAX_BATCH - 1), (void *)ptr)) {
+        count_lost(1, 1);
+        count_lost(0, count);
         return 0;
     }
-    u64 ptr = 0;
-    e->ktime_ns = bpf_ktime_get_ns();
-    e->cgroup_id = cgroup_id;
-    e->pid = pid;
-    bpf_usdt_readarg(1, ctx, &e->runtime_id);
-    bpf_usdt_readarg(2, ctx, &e->seq);
-    bpf_usdt_readarg(3, ctx, &ptr);
-    bpf_probe_read_user_str(e->tenant, sizeof(e->tenant), (void *)ptr);
-    bpf_usdt_readarg(4, ctx, &ptr);
-    bpf_probe_read_user_str(e->model, sizeof(e->model), (void *)ptr);
-    bpf_usdt_readarg(5, ctx, &ptr);
-    bpf_probe_read_user_str(e->request_id, sizeof(e->request_id), (void *)ptr);
-    bpf_usdt_readarg(6, ctx, &e->input_tokens);
-    bpf_usdt_readarg(7, ctx, &e->output_tokens);
-    bpf_usdt_readarg(8, ctx, &e->flags);
+    b->h.ktime_ns = bpf_ktime_get_ns();
+    b->h.cgroup_id = cgroup_id;
+    b->h.pid = pid;
+    b->h.count = count;
+    b->h.len = len;
     // No wakeup: user space drains on a timer (bpf/loader.py), so a busy runtime never pays for waking it.
-    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    if (events.ringbuf_output(b, sizeof(struct batch_header) + (len & (MAX_BATCH - 1)), BPF_RB_NO_WAKEUP))
+        count_lost(0, count);
     return 0;
 }

@@ -19,7 +19,8 @@ def test_record_round_trip_and_partial_tail():
 
 def test_probe_counts_and_snapshots(tmp_path):
     probe = TokenProbe(tmp_path, journal=True)
-    assert probe.emit("acme", "r1", "tiny", 10, 0, first=True) == 1
+    probe.emit("acme", "r1", "tiny", 10, 0, first=True)  # outside an event loop: fired at once
+    assert probe.seq == 1
     probe.emit("acme", "r1", "tiny", 0, 3)
     probe.emit("globex", "r2", "tiny", 0, 1)
     probe.close()
@@ -35,6 +36,60 @@ def test_probe_without_spool_keeps_counters_in_memory():
     assert probe.counters()["totals"][0]["output_tokens"] == 2
     assert probe.mode in ("usdt", "counters")
     probe.close()
+
+
+async def test_one_event_per_request_per_window(tmp_path):
+    """On the event loop, a window's tokens become one event per request, fired in one batch."""
+    import asyncio
+
+    probe = TokenProbe(tmp_path, journal=True, window_s=0.05)
+    probe.emit("acme", "r1", "tiny", 10, 0, first=True)
+    for _ in range(5):
+        probe.emit("acme", "r1", "tiny", 0, 1)
+        probe.emit("globex", "r2", "tiny", 0, 2)
+    assert probe.seq == 0 and probe.counters()["totals"] == []  # nothing fired yet: counters cover fired events
+    await asyncio.sleep(0.2)
+    assert (probe.seq, probe.batches) == (2, 1)
+    events = JournalSource(tmp_path).poll(0)
+    assert [(e.seq, e.tenant, e.request_id, e.input_tokens, e.output_tokens, e.first) for e in events] == [
+        (1, "acme", "r1", 10, 5, True), (2, "globex", "r2", 0, 10, False)]
+    probe.emit("acme", "r1", "tiny", 0, 1)  # the next window: a new event for the same request
+    probe.close()  # a clean stop fires what is pending
+    assert probe.seq == 3
+    assert {(t["tenant"], t["output_tokens"], t["events"], t["requests"]) for t in probe.counters()["totals"]} == {
+        ("acme", 6, 2, 1), ("globex", 10, 1, 0)}
+
+
+async def test_window_zero_fires_at_the_next_iteration_and_many_requests_fire_early(tmp_path):
+    import asyncio
+
+    from zerolayer.bpf.probes import PENDING_MAX
+
+    probe = TokenProbe(tmp_path, journal=True, window_s=0)
+    probe.emit("acme", "r1", "tiny", 0, 1)
+    probe.emit("acme", "r1", "tiny", 0, 1)
+    await asyncio.sleep(0)
+    assert (probe.seq, probe.batches) == (1, 1)
+    slow = TokenProbe(tmp_path, journal=True, window_s=60)
+    for i in range(PENDING_MAX):
+        slow.emit("acme", f"r{i}", "tiny", 0, 1)
+    assert slow.seq == PENDING_MAX  # fired without waiting for the window
+    events = [e for e in JournalSource(tmp_path).poll(0) if e.runtime_id == slow.runtime_id]
+    assert [e.seq for e in events] == list(range(1, PENDING_MAX + 1))
+    probe.close()
+    slow.close()
+
+
+def test_oversized_event_is_refused_clearly():
+    import pytest
+
+    from zerolayer.bpf.probes import LIMIT, PyBatch
+
+    probe = TokenProbe()
+    for batch in (probe._batch, PyBatch()):
+        with pytest.raises(ValueError, match="exceeds"):
+            batch.append(1, 1, 0, "acme", "m" * LIMIT, "r", 0, 1, 0)
+        assert batch.count == 0
 
 
 def test_journal_source_resumes_from_committed_state(tmp_path):
@@ -67,7 +122,7 @@ def test_runtime_hook_flags_and_sink(tmp_path, monkeypatch):
     server = types.SimpleNamespace(app=types.SimpleNamespace(token_sink=None))
     probe = attach_token_probe(parser.parse_args(["--audit-spool", str(tmp_path), "--audit-journal"]), server)
     server.app.token_sink("acme", "r", "tiny", 3, 0, True)
-    assert probe.seq == 1 and probe.mode.endswith("journal")
+    assert probe.seq == 1 and probe.mode.endswith("journal") and probe.window_s == 0.05
     probe.close()
     with pytest.raises(SystemExit):
         attach_token_probe(parser.parse_args(["--audit-journal"]), server)
