@@ -2,12 +2,14 @@
 
 1. Runtime throughput with the auditor attached (BPF) against detached: output tokens per second
    the clients receive from a real ``zerolayer runtime`` (synthetic engine, no pacing), in
-   alternating rounds (detached, attached, detached, ...) to spread the machine's noise. Target
+   rounds in ABBA order (detached, attached, attached, detached, ...) so that drift cancels. Target
    ratio >= 0.99. Note: on a small machine the auditor's own CPU competes with the runtime and the
    load generator; the ratio includes that.
-2. Events per second the auditor sustains: emitter processes fire the USDT probe as fast as they
-   can for a few seconds while a real auditor (CLI, SQLite store) writes; compared with the emit
-   rate. Loss at saturation is the kernel's counted ring-buffer drops, for two ring sizes.
+2. Events per second the auditor sustains: emitter processes fire batches of 64 token events
+   through the USDT probe as fast as they can for a few seconds while a real auditor (CLI, SQLite
+   store) writes; compared with the emit rate. Loss at saturation is the kernel's counted
+   ring-buffer drops, for two ring sizes. (With the runtime's 50 ms window an event carries all of
+   a request's tokens of its window: a stream makes at most 20 events per second.)
 
     python bench/audit_overhead.py [--rounds 3] [--seconds 6] [--workers 16]
 
@@ -111,7 +113,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int, engine: str) -> list[str]:
+def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int, engine: str,
+               window_ms: float) -> list[str]:
     config = workdir / "runtime.json"
     model = "synthetic"
     spec: dict[str, object] = {"kind": "synthetic", "models": ["synthetic"], "output_tokens": 64}
@@ -126,7 +129,8 @@ def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int,
         "tenants": [{"name": "bench", "keys": [{"sha256": hashlib.sha256(KEY.encode()).hexdigest()}]}]}))
     port = free_port()
     runtime = zerolayer(workdir, "runtime", "runtime", "--config", str(config), "--port", str(port),
-                        "--audit-spool", str(workdir / "spool"), role="runtime")
+                        "--audit-spool", str(workdir / "spool"), "--audit-window-ms", str(window_ms),
+                        role="runtime")
     rates: dict[str, list[float]] = {"detached": [], "attached": []}
     cpu: dict[str, list[float]] = {"detached": [], "attached": []}  # runtime CPU microseconds per token
     auditor_cpu: list[float] = []
@@ -134,7 +138,9 @@ def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int,
         wait_for(lambda: listening(port), "the runtime", 300)
         asyncio.run(drive(port, 2.0, workers, model))  # warm-up
         for i in range(rounds):
-            for mode in ("detached", "attached"):
+            # ABBA order (detached, attached, attached, detached, ...): a machine that drifts faster or
+            # slower over the run (vLLM warms up for minutes) favours neither mode.
+            for mode in (("detached", "attached") if i % 2 == 0 else ("attached", "detached")):
                 auditor = start_auditor(workdir, f"auditor-{i}", "--db", str(workdir / "tp.db")) \
                     if mode == "attached" else None
                 before = cpu_seconds(runtime.pid)
@@ -150,26 +156,79 @@ def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int,
     finally:
         stop(runtime)
     det, att = (sorted(rates[m])[rounds // 2] for m in ("detached", "attached"))  # medians
+    # Each attached round against the detached round of the same ABBA pair: the machine's slow drifts cancel.
+    paired = sorted(a / d for a, d in zip(rates["attached"], rates["detached"]))
+    spread = f"paired ratios: median {paired[rounds // 2]:.3f}, range {paired[0]:.3f}-{paired[-1]:.3f}"
     cdet, catt = (sorted(cpu[m])[rounds // 2] for m in ("detached", "attached"))
     acpu = sorted(auditor_cpu)[rounds // 2]
+    # What metering costs per token, from quantities this machine measures precisely: kernel traps per token
+    # (every batch carries one kernel timestamp) times the cost of one trap, plus the auditor's CPU.
+    con = sqlite3.connect(workdir / "tp.db")
+    events, batches, out = con.execute("SELECT count(*), count(DISTINCT wall_ns), sum(output_tokens) "
+                                       "FROM token_events").fetchone()
+    con.close()
+    trap = trap_ns(workdir)
+    runtime_us = batches / max(out or 1, 1) * trap / 1000
+    share = (runtime_us + acpu) / cdet
+    cost = [f"{'metering cost per output token':40} {'':>12} {'':>12} {'us':>11} {'of runtime':>12}",
+            f"{'  events per 1000 tokens':40} {1000 * events / max(out or 1, 1):12.1f}",
+            f"{'  kernel traps per 1000 tokens':40} {1000 * batches / max(out or 1, 1):12.1f}",
+            f"{f'  runtime: traps x {trap:.0f} ns':40} {'':12} {'':12} {runtime_us:11.3f} {runtime_us / cdet:12.2%}",
+            f"{'  auditor process (all its CPU)':40} {'':12} {'':12} {acpu:11.3f} {acpu / cdet:12.2%}",
+            f"{'  total; throughput ratio it allows':40} {1 / (1 + share):12.3f} {'':12} {runtime_us + acpu:11.3f} "
+            f"{share:12.2%}"]
     return [f"{engine + ' runtime, median of ' + str(rounds) + ' rounds':40} {'tokens/s':>12} {'vs detached':>12} "
             f"{'CPU us/tok':>11} {'vs detached':>12}",
             f"{'auditor detached':40} {det:12.0f} {1.0:12.3f} {cdet:11.1f} {1.0:12.3f}",
             f"{'auditor attached (BPF)':40} {att:12.0f} {att / det:12.3f} {catt:11.1f} {catt / cdet:12.3f}",
-            f"{'auditor process itself':40} {'':12} {'':12} {acpu:11.1f}"]
+            f"{'auditor process itself':40} {'':12} {'':12} {acpu:11.1f}",
+            f"({spread})", "", *cost]
+
+
+def trap_ns(workdir: pathlib.Path, calls: int = 20000) -> float:
+    """ns one fired batch costs the runtime with an auditor attached, over the same call detached."""
+    from zerolayer.bpf import _probes
+
+    from zerolayer.bpf.probes import TokenProbe
+
+    batch = _probes.Batch()
+    batch.append(TokenProbe().runtime_id, 1, time.time_ns(), "bench", "synthetic", "msg_trap", 0, 1, 0)
+
+    def per_fire() -> float:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                batch.fire()  # the same event again and again: the store keeps it once
+            best = min(best, (time.perf_counter_ns() - start) / calls)
+        return best
+
+    detached = per_fire()
+    auditor = start_auditor(workdir, "trap", "--db", str(workdir / "trap.db"), "--pid", str(os.getpid()))
+    try:
+        attached = per_fire()
+    finally:
+        stop(auditor)
+    return attached - detached
 
 
 EMITTER = """
-import sys, time
+import asyncio, sys, time
 from zerolayer.bpf.probes import TokenProbe
-probe = TokenProbe()
+# A saturated runtime: 64 streams, each with tokens in every batch; window 0 fires once per loop iteration.
+probe = TokenProbe(window_s=0)
+ids = [f"msg_{i:024x}" for i in range(64)]
 sys.stdin.readline()  # go
-n, end = 0, time.monotonic() + float(sys.argv[1])
-while time.monotonic() < end:
-    for _ in range(1000):
-        probe.emit("bench", "msg_bench", "synthetic", 0, 1)
-    n += 1000
-print(n)
+async def run():
+    n, end = 0, time.monotonic() + float(sys.argv[1])
+    while time.monotonic() < end:
+        for rid in ids:
+            probe.emit("bench", rid, "synthetic", 0, 1)
+        n += len(ids)
+        await asyncio.sleep(0)
+    probe.close()
+    return n
+print(asyncio.run(run()))
 """
 
 
@@ -199,12 +258,14 @@ def capacity_table(workdir: pathlib.Path, seconds: float, emitters: int) -> list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--emitters", type=int, default=2)
     parser.add_argument("--engine", choices=("synthetic", "vllm"), default="synthetic",
                         help="synthetic: no model cost, the harshest ratio; vllm: the real tiny model on CPU")
+    parser.add_argument("--window-ms", type=float, default=50.0,
+                        help="the runtime's metering window (--audit-window-ms; 50 is its default)")
     parser.add_argument("--skip-capacity", action="store_true")
     parser.add_argument("--pin", action="store_true",
                         help="runtime alone on CPU 0; clients and auditor on the other CPUs (the auditor's own "
@@ -218,10 +279,10 @@ def main() -> None:
 
     check_kernel()
     lines = [f"pinning: {'runtime on CPU 0, clients and auditor on the others' if args.pin else 'none'}; "
-             f"{os.cpu_count()} CPUs"]
+             f"{os.cpu_count()} CPUs; metering window {args.window_ms:g} ms; {args.workers} streams"]
     with tempfile.TemporaryDirectory(prefix="audit-bench-") as tmp:
         workdir = pathlib.Path(tmp)
-        lines += throughput(workdir, args.rounds, args.seconds, args.workers, args.engine)
+        lines += throughput(workdir, args.rounds, args.seconds, args.workers, args.engine, args.window_ms)
         lines.append("")
     with tempfile.TemporaryDirectory(prefix="audit-bench-") as tmp:
         workdir = pathlib.Path(tmp)

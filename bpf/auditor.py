@@ -97,6 +97,7 @@ class Auditor:
         if self.pids_from_spool:
             self.discover_runtimes()
         self._buffer: list[TokenEvent] = []
+        self._committed_state: dict[str, str] | None = None
         self._lost_base = int(store.state("kernel_lost_total", "0") or 0)
         self._snapshot_seen: dict[str, tuple[int, bool]] = {}
         self._last_energy: float | None = None
@@ -154,6 +155,9 @@ class Auditor:
         state = getattr(self.source, "state", lambda: {})()
         lost = self.source.lost()
         state["kernel_lost_total"] = str(self._lost_base + lost)
+        if not batch and state == self._committed_state:
+            return  # nothing new: no transaction, no fsync (an idle auditor stays idle)
+        self._committed_state = dict(state)
         started = time.perf_counter()
         result = self.store.write(batch, state)
         getattr(self.source, "committed", lambda: None)()

@@ -23,6 +23,7 @@ import httpx
 
 TENANTS = ("acme", "globex", "initech")
 MODEL = "synthetic"
+SYNTHETIC_RATE = 400  # tokens per second per stream of the synthetic engine in these tests
 
 
 def bpf_skip_reason() -> str | None:
@@ -59,7 +60,7 @@ def vllm_skip_reason() -> str | None:
 
 
 def write_config(path: pathlib.Path, *, engine_kind: str = "synthetic", output_tokens: int = 40,
-                 tokens_per_second: float | None = 400, model_dir: pathlib.Path | None = None) -> str:
+                 tokens_per_second: float | None = SYNTHETIC_RATE, model_dir: pathlib.Path | None = None) -> str:
     """Write a runtime config for the three tenants; returns the served model name."""
     tenants = [{"name": t, "keys": [{"sha256": hashlib.sha256(key(t).encode()).hexdigest()}],
                 "tokens_per_minute": 100_000_000, "requests_per_minute": 1_000_000,
