@@ -94,6 +94,7 @@ class Auditor:
         self.stopping = threading.Event()
         self.pids_from_spool = pids_from_spool and hasattr(source, "add_pid") and self.spool is not None
         self._known_pids: set[int] = set()
+        self._known_files: set[str] = set()
         if self.pids_from_spool:
             self.discover_runtimes()
         self._buffer: list[TokenEvent] = []
@@ -170,10 +171,13 @@ class Auditor:
         """Meter every runtime that announced itself in the spool (its probe writes counters at start)."""
         assert self.spool is not None
         for path in self.spool.glob("*.counters.json"):
+            if path.name in self._known_files:
+                continue  # one file per runtime process: read it once
             try:
                 pid = int(json.loads(path.read_text())["pid"])
             except (OSError, ValueError, KeyError):
                 continue  # being replaced right now: next round
+            self._known_files.add(path.name)
             if pid not in self._known_pids:
                 self._known_pids.add(pid)
                 self.source.add_pid(pid)  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ class JournalSource:
     kind = "journal"
 
     def __init__(self, spool: str | os.PathLike[str], resume: Mapping[str, str] | None = None,
-                 drain_interval_s: float = 0.05) -> None:
+                 drain_interval_s: float = 0.1) -> None:
         self.spool = pathlib.Path(spool)
         self.drain_interval_s = drain_interval_s
         try:

@@ -101,7 +101,7 @@ class BpfTokenSource:
     kind = "bpf"
 
     def __init__(self, *, ring_buffer_bytes: int = 16 << 20, pids: Iterable[int] = (),
-                 cgroups: Iterable[str] = (), drain_interval_s: float = 0.05, filter_pids: bool = False,
+                 cgroups: Iterable[str] = (), drain_interval_s: float = 0.1, filter_pids: bool = False,
                  library: str | None = None) -> None:
         """``pids``/``cgroups``: meter only these (none: every process that loads the probe library).
         ``filter_pids=True`` filters by pid even with no pid yet: add them later with :meth:`add_pid`.
