@@ -13,7 +13,7 @@
 
     python bench/audit_overhead.py [--rounds 3] [--seconds 6] [--workers 16]
 
-Needs root and bcc (bpf/setup-host.sh); writes bench/results/audit_overhead_<engine>.txt.
+Needs root and bcc (bpf/setup-host.sh); writes bench/results/audit_overhead_<engine>[_pinned].txt.
 """
 
 from __future__ import annotations
@@ -293,7 +293,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / f"audit_overhead_{args.engine}.txt").write_text(text + "\n")
+    name = f"audit_overhead_{args.engine}{'_pinned' if args.pin else ''}.txt"
+    (HERE / "results" / name).write_text(text + "\n")
 
 
 if __name__ == "__main__":
