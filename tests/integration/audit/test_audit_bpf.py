@@ -107,3 +107,56 @@ def test_probe_library_through_another_processes_root(skip_without_bpf):
         assert [e.seq for e in poll_all(source, 1) if e.runtime_id == probe.runtime_id] == [1]
     finally:
         source.close()
+
+
+def test_one_trap_per_batch_carries_every_event(skip_without_bpf):
+    """A window's events reach user space as one ring record: same kernel time, every event with its id."""
+    import asyncio
+
+    from zerolayer.bpf.loader import BpfTokenSource
+    from zerolayer.bpf.probes import TokenProbe
+
+    source = BpfTokenSource(ring_buffer_bytes=1 << 20, pids=[os.getpid()])
+    try:
+        probe = TokenProbe(window_s=0)
+
+        async def window() -> None:
+            for i in range(10):
+                probe.emit("acme", f"msg_{i}", "tiny", 5, 0, first=True)
+                probe.emit("acme", f"msg_{i}", "tiny", 0, 2)
+            await asyncio.sleep(0.01)
+
+        asyncio.run(window())
+        assert probe.batches == 1
+        events = [e for e in poll_all(source, 10) if e.runtime_id == probe.runtime_id]
+        assert [(e.seq, e.request_id, e.input_tokens, e.output_tokens, e.first) for e in events] == [
+            (i + 1, f"msg_{i}", 5, 2, True) for i in range(10)]
+        assert len({e.wall_ns for e in events}) == 1 and source.batches == 1
+        assert source.lost() == 0
+    finally:
+        source.close()
+
+
+def test_a_lost_batch_counts_its_events(skip_without_bpf):
+    import asyncio
+
+    from zerolayer.bpf.loader import BpfTokenSource
+    from zerolayer.bpf.probes import TokenProbe
+
+    source = BpfTokenSource(ring_buffer_bytes=4096, pids=[os.getpid()])  # one page: a few batches
+    try:
+        probe = TokenProbe(window_s=0)
+
+        async def flood() -> None:
+            for _ in range(50):  # 50 batches of 8 events, nobody polls meanwhile
+                for i in range(8):
+                    probe.emit("acme", f"msg_{i}", "tiny", 0, 1)
+                await asyncio.sleep(0)
+
+        asyncio.run(flood())
+        probe.flush()
+        received = [e for e in poll_all(source, 400, 1.0) if e.runtime_id == probe.runtime_id]
+        assert 0 < len(received) < 400 and len(received) % 8 == 0
+        assert len(received) + source.lost() == 400
+    finally:
+        source.close()
