@@ -40,7 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="bpf: the kernel path; journal: the in-process path; auto: bpf if it can run here")
     p.add_argument("--spool", help="the runtimes' --audit-spool directory (counters snapshots, journals)")
     p.add_argument("--pid", type=int, action="append", default=[], help="meter only this runtime process (repeat)")
-    p.add_argument("--cgroup", action="append", default=[], help="meter only processes in this cgroup v2 directory")
+    p.add_argument("--cgroup", action="append", default=[],
+                   help="meter only processes in this cgroup v2 directory or below it (repeat)")
+    p.add_argument("--pod", action="append", default=[], metavar="NAMESPACE/NAME",
+                   help="meter only this pod's processes on this node (its cgroup; repeat; needs get on pods)")
     p.add_argument("--probe-library", metavar="PATH",
                    help="the runtimes' zerolayer/bpf/_probes*.so as seen from here, if not this installation's "
                         "(another image: /proc/<pid>/root/...)")
@@ -56,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--prices", help="price file (see docs/audit.md) for the cost in TenantQuota usage")
     p.add_argument("--tenant-quotas", action="store_true",
                    help="read prices from TenantQuotas and publish status.usage (Kubernetes)")
-    p.add_argument("--kubeconfig", help="kubeconfig for --tenant-quotas (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--kubeconfig", help="kubeconfig for --tenant-quotas and --pod (default: in-cluster, then ~/.kube/config)")
     p.add_argument("--status-interval", type=float, default=15.0,
                    help="at most one TenantQuota status write per tenant per this many seconds")
     p.add_argument("--energy-price-per-kwh", default="0", help="electricity rate with --tenant-quotas")
@@ -119,6 +122,27 @@ def _energy_source(spec: str):  # type: ignore[no-untyped-def]
     raise AuditError(f"--gpu-source: none, nvml or simulated:FILE, got {spec!r}")
 
 
+def _pod_cgroups(pods: list[str], kubeconfig: str | None) -> list[str]:
+    """``--pod NAMESPACE/NAME`` -> the pod's cgroup directories on this host (an error if it has none here)."""
+    from zerolayer.bpf.errors import AuditError, BpfUnavailable
+
+    found: list[str] = []
+    for ref in pods:
+        from zerolayer.bpf.kube import pod_uid
+        from zerolayer.bpf.loader import pod_cgroups
+
+        uid = pod_uid(ref, kubeconfig)
+        try:
+            dirs = pod_cgroups(uid)
+        except BpfUnavailable as exc:  # no cgroup v2 here
+            raise AuditError(f"cannot find the cgroup of pod {ref}: {exc}") from exc
+        if not dirs:
+            raise AuditError(f"pod {ref} (uid {uid}) has no cgroup on this host: is it running on this node?")
+        logging.getLogger(__name__).info("pod %s: cgroup %s", ref, ", ".join(dirs))
+        found += dirs
+    return found
+
+
 def run_auditor(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from zerolayer.bpf.errors import AuditError
@@ -127,16 +151,17 @@ def run_auditor(args: argparse.Namespace) -> int:
         from zerolayer.bpf.loader import render_program
 
         print(render_program(ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), filter_pids=bool(args.pid),
-                             filter_cgroups=bool(args.cgroup)))
+                             filter_cgroups=bool(args.cgroup or args.pod)))
         return 0
     from zerolayer.bpf.auditor import Auditor, AuditorSettings, open_source
     from zerolayer.bpf.store import SqliteStore
 
     try:
+        cgroups = list(args.cgroup) + _pod_cgroups(args.pod, args.kubeconfig)
         store = SqliteStore(args.db)
         source = open_source(args.source, spool=args.spool, store=store,
                              ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), pids=args.pid,
-                             cgroups=args.cgroup, pids_from_spool=args.pids_from_spool,
+                             cgroups=cgroups, pids_from_spool=args.pids_from_spool,
                              library=args.probe_library)
         writer = None
         if args.tenant_quotas:

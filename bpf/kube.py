@@ -1,4 +1,5 @@
-"""Every Kubernetes API call the auditor makes: read TenantQuotas, write their ``status.usage``.
+"""Every Kubernetes API call the auditor makes: read TenantQuotas, write their ``status.usage``, and
+look up a pod's UID for ``--pod``.
 
 Writes are bounded: at most one status patch per tenant per ``min_interval_s``, and none when
 the usage did not change. Kubernetes errors become :class:`QuotaStatusError`.
@@ -10,7 +11,7 @@ import datetime
 import logging
 from typing import Any, Callable, Mapping
 
-from zerolayer.bpf.errors import QuotaStatusError
+from zerolayer.bpf.errors import AuditError, QuotaStatusError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,28 @@ class TenantQuotaApi:
             self._api.patch_cluster_custom_object_status(GROUP, VERSION, PLURAL, name, {"status": {"usage": usage}})
         except Exception as exc:
             raise QuotaStatusError(f"cannot patch TenantQuota {name} status: {exc}") from exc
+
+
+def pod_uid(ref: str, kubeconfig: str | None = None) -> str:
+    """UID of the pod ``NAMESPACE/NAME`` (in-cluster config first, then the kubeconfig)."""
+    namespace, sep, name = ref.partition("/")
+    if not sep or not namespace or not name:
+        raise AuditError(f"--pod takes NAMESPACE/NAME, not {ref!r}")
+    try:
+        from kubernetes import client, config
+
+        if kubeconfig:
+            config.load_kube_config(kubeconfig)
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+        pod = client.CoreV1Api().read_namespaced_pod(name, namespace)
+    except Exception as exc:  # config errors, ApiException (404, 403), connection errors
+        reason = getattr(exc, "reason", None) or exc
+        raise AuditError(f"cannot look up pod {ref}: {reason}") from exc
+    return str(pod.metadata.uid)
 
 
 class QuotaStatusWriter:

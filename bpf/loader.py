@@ -95,6 +95,41 @@ def cgroup_id(path: str | os.PathLike[str]) -> int:
         raise BpfUnavailable(f"cannot read cgroup {path}: {exc}") from exc
 
 
+def cgroup2_root() -> pathlib.Path:
+    """Where the cgroup v2 hierarchy is mounted: /sys/fs/cgroup (unified) or /sys/fs/cgroup/unified (hybrid)."""
+    for path in (pathlib.Path("/sys/fs/cgroup"), pathlib.Path("/sys/fs/cgroup/unified")):
+        if (path / "cgroup.procs").exists() and (path / "cgroup.controllers").exists():
+            return path
+    raise BpfUnavailable("no cgroup v2 hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified")
+
+
+def pod_cgroups(uid: str, root: str | os.PathLike[str] | None = None, max_depth: int = 6) -> list[str]:
+    """The cgroup v2 directories of the pod with this UID on this host (the kubelet's pod-level cgroup).
+
+    Both kubelet cgroup drivers: cgroupfs names it ``pod<uid>``, systemd ``kubepods-<qos>-pod<uid_>.slice``
+    (dashes as underscores). Its containers are below it, which the BPF filter covers.
+    """
+    base = pathlib.Path(root) if root is not None else cgroup2_root()
+    needles = (f"pod{uid}", f"pod{uid.replace('-', '_')}")
+    found: list[str] = []
+    level = [base]
+    for _ in range(max_depth):
+        below = []
+        for directory in level:
+            try:
+                children = [c for c in directory.iterdir() if c.is_dir()]
+            except OSError:
+                continue
+            for child in children:
+                name = child.name
+                if name.endswith(needles) or any(f"{n}." in name for n in needles):
+                    found.append(str(child))
+                else:
+                    below.append(child)
+        level = below
+    return sorted(found)
+
+
 class BpfTokenSource:
     """The kernel path: attach, then ``poll`` for events. Not thread-safe; one reader thread."""
 

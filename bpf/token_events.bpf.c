@@ -30,9 +30,27 @@ BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, 2);
 // 16 KiB does not fit the 512-byte BPF stack (and a per-CPU value is at most 32 KiB): one scratch batch per CPU.
 BPF_PERCPU_ARRAY(scratch, struct batch, 1);
-// Filters, filled by user space: attach by process (tgid) or by cgroup (id = cgroup v2 inode).
+// Filters, filled by user space: attach by process (tgid) or by cgroup (id = cgroup v2 inode). A cgroup
+// selects every task in it or below it: a pod's cgroup covers its containers, restarted ones too.
 BPF_HASH(target_pids, u32, u8, 4096);
 BPF_HASH(target_cgroups, u64, u8, 4096);
+
+#define MAX_CGROUP_DEPTH 16
+
+static __always_inline int in_target_cgroup(u64 cgroup_id)
+{
+    if (target_cgroups.lookup(&cgroup_id))
+        return 1;
+#pragma unroll
+    for (int level = 0; level < MAX_CGROUP_DEPTH; level++) {
+        u64 id = bpf_get_current_ancestor_cgroup_id(level);
+        if (id == 0 || id == cgroup_id)
+            return 0;  // past the task's own level
+        if (target_cgroups.lookup(&id))
+            return 1;
+    }
+    return 0;
+}
 
 static __always_inline void count_lost(int slot, u64 n)
 {
@@ -47,7 +65,7 @@ int on_tokens(struct pt_regs *ctx)
     u64 cgroup_id = bpf_get_current_cgroup_id();
     if (FILTER_PIDS && !target_pids.lookup(&pid))
         return 0;
-    if (FILTER_CGROUPS && !target_cgroups.lookup(&cgroup_id))
+    if (FILTER_CGROUPS && !in_target_cgroup(cgroup_id))
         return 0;
 
     u64 ptr = 0, len = 0;

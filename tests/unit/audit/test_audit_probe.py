@@ -126,3 +126,17 @@ def test_runtime_hook_flags_and_sink(tmp_path, monkeypatch):
     probe.close()
     with pytest.raises(SystemExit):
         attach_token_probe(parser.parse_args(["--audit-journal"]), server)
+
+
+def test_pod_cgroups_finds_the_pod_level_cgroup_for_both_kubelet_drivers(tmp_path):
+    from zerolayer.bpf.loader import pod_cgroups
+
+    uid = "5f3c1a2b-0000-4bcd-8e9f-0123456789ab"
+    systemd = tmp_path / "kubepods.slice" / "kubepods-burstable.slice" / \
+        f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    (systemd / "cri-containerd-1.scope").mkdir(parents=True)
+    cgroupfs = tmp_path / "kubepods" / "besteffort" / f"pod{uid}"
+    (cgroupfs / "0123abcd").mkdir(parents=True)
+    (tmp_path / "kubepods" / "besteffort" / "pod11111111-2222-3333-4444-555555555555").mkdir()
+    assert pod_cgroups(uid, tmp_path) == sorted([str(systemd), str(cgroupfs)])  # not the containers below
+    assert pod_cgroups("00000000-0000-0000-0000-000000000000", tmp_path) == []
