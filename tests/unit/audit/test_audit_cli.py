@@ -53,7 +53,7 @@ def test_program_rendering():
     assert ring_pages(16 << 20) == 4096 and ring_pages(5000) == 2 and ring_pages(1) == 1
     text = render_program(ring_buffer_bytes=1 << 20, filter_pids=True)
     assert "BPF_RINGBUF_OUTPUT(events, 256)" in text
-    assert "if (1 && !target_pids" in text and "if (0 && !target_cgroups" in text
+    assert "if (1 && !target_pids" in text and "if (0 && !in_target_cgroup(cgroup_id))" in text
     assert "RINGBUF_PAGES" not in text and "FILTER_" not in text
 
 
