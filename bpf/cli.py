@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--pids-from-spool", action="store_true",
                    help="meter only runtimes that announce themselves in --spool (their pids, found as they start)")
     p.add_argument("--ring-buffer-mb", type=float, default=16.0,
-                   help="BPF ring buffer size; size it for the node's peak (events are ~300 bytes)")
+                   help="BPF ring buffer size: the node's peak events/s x the 0.1 s drain (an event is ~110 bytes)")
     p.add_argument("--flush-interval", type=float, default=0.5, help="seconds between store writes")
     p.add_argument("--reconcile-interval", type=float, default=5.0, help="seconds between counter cross-checks")
     p.add_argument("--retention", type=parse_duration, default=parse_duration("7d"),
@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--prices", help="price file (see docs/audit.md) for the cost in TenantQuota usage")
     p.add_argument("--tenant-quotas", action="store_true",
                    help="read prices from TenantQuotas and publish status.usage (Kubernetes)")
-    p.add_argument("--kubeconfig", help="kubeconfig for --tenant-quotas and --pod (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--kubeconfig",
+                   help="kubeconfig for --tenant-quotas and --pod (default: in-cluster, then ~/.kube/config)")
     p.add_argument("--status-interval", type=float, default=15.0,
                    help="at most one TenantQuota status write per tenant per this many seconds")
     p.add_argument("--energy-price-per-kwh", default="0", help="electricity rate with --tenant-quotas")

@@ -59,10 +59,12 @@ def test_auditor_meters_only_the_pods_processes(cluster, tmp_path):
     uid = cluster.kubectl_json("get", "pod", "runtime", "-n", NS)["metadata"]["uid"]
     # The kubelet's systemd-driver layout, under a scratch top-level cgroup of our own.
     top = cgroup2_root() / f"zl-e2e-{secrets.token_hex(4)}"
-    pod_dir = top / "kubepods.slice" / "kubepods-burstable.slice" / f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    slice_name = f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    pod_dir = top / "kubepods.slice" / "kubepods-burstable.slice" / slice_name
     container = pod_dir / "cri-containerd-0123abcd.scope"
     container.mkdir(parents=True)
-    emitter = subprocess.Popen([sys.executable, "-c", EMITTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    emitter = subprocess.Popen([sys.executable, "-c", EMITTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
     proc = None
     try:
         (container / "cgroup.procs").write_text(str(emitter.pid))
