@@ -28,9 +28,10 @@ import time
 from typing import Any, Iterable, Mapping, Sequence
 
 from zerolayer.bpf.errors import StoreError
-from zerolayer.bpf.events import TokenEvent
+from zerolayer.bpf.events import FLAG_FIRST, TokenEvent
 
 NS = 1_000_000_000
+MINUTE_NS = 60 * NS
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS token_events (
@@ -144,60 +145,66 @@ class SqliteStore:
             written = duplicates = 0
             hwm: dict[str, int] = {}
             fresh: list[tuple[Any, ...]] = []  # above the runtime's high-water mark: new by construction
-            counted: list[tuple[str, TokenEvent]] = []
             seen: set[tuple[str, int]] = set()
             ids: dict[int, str] = {}
-            for e in events:
-                rid = ids.get(e.runtime_id)
+            insert = ("INSERT INTO token_events VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
+                      "ON CONFLICT (runtime_id, seq) DO NOTHING")
+            # One pass, tuple-unpacked (attribute access on a named tuple costs more than the rest of the loop).
+            for values in events:
+                runtime_id, seq, wall, tenant, model, _request, inp, out, flags, pid, _cgroup, _source = values
+                rid = ids.get(runtime_id)
                 if rid is None:
-                    rid = ids[e.runtime_id] = f"{e.runtime_id:016x}"
-                if rid not in pruned:
+                    rid = ids[runtime_id] = f"{runtime_id:016x}"
                     row = db.execute("SELECT pruned_seq, hwm FROM runtimes WHERE runtime_id=?", (rid,)).fetchone()
                     pruned[rid], hwm[rid] = row if row else (0, 0)
-                if e.seq <= pruned[rid]:
+                if seq <= pruned[rid]:
                     duplicates += 1
                     continue
-                values = (rid, e.seq, e.wall_ns, e.tenant, e.model, e.request_id, e.input_tokens, e.output_tokens,
-                          e.flags, e.pid, e.cgroup_id, e.source)
-                if e.seq > hwm[rid]:
-                    if (rid, e.seq) in seen:  # the same event twice in one batch
+                if seq > hwm[rid]:
+                    if (rid, seq) in seen:  # the same event twice in one batch
                         duplicates += 1
                         continue
-                    seen.add((rid, e.seq))
-                    fresh.append(values)
-                else:
-                    # At or below the mark: a replay, or a late event filling a gap. Ask the key.
-                    # ON CONFLICT, not OR IGNORE: only a replayed key is skipped; other violations abort.
-                    cur = db.execute("INSERT INTO token_events VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
-                                     "ON CONFLICT (runtime_id, seq) DO NOTHING", values)
-                    if cur.rowcount == 0:
-                        duplicates += 1
-                        continue
-                counted.append((rid, e))
-            if fresh:
-                before = db.total_changes
-                db.executemany("INSERT INTO token_events VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
-                               "ON CONFLICT (runtime_id, seq) DO NOTHING", fresh)
-                if db.total_changes - before != len(fresh):
-                    raise StoreError("events above the high-water mark were already stored: the store is corrupt")
-            for rid, e in counted:
+                    seen.add((rid, seq))
+                    fresh.append((rid, *values[1:]))
+                # At or below the mark: a replay, or a late event filling a gap. Ask the key.
+                # ON CONFLICT, not OR IGNORE: only a replayed key is skipped; other violations abort.
+                elif db.execute(insert, (rid, *values[1:])).rowcount == 0:
+                    duplicates += 1
+                    continue
                 written += 1
-                req = 1 if e.first else 0
-                u = usage.setdefault((minute_of(e.wall_ns), e.tenant, e.model), [0, 0, 0, 0])
-                u[0] += e.input_tokens
-                u[1] += e.output_tokens
+                req = flags & FLAG_FIRST
+                key = (wall // MINUTE_NS * 60, tenant, model)
+                u = usage.get(key)
+                if u is None:
+                    u = usage[key] = [0, 0, 0, 0]
+                u[0] += inp
+                u[1] += out
                 u[2] += req
                 u[3] += 1
-                lg = ledger.setdefault((rid, e.tenant, e.model), [0, 0, 0, 0])
-                lg[0] += e.input_tokens
-                lg[1] += e.output_tokens
+                key = (rid, tenant, model)
+                lg = ledger.get(key)
+                if lg is None:
+                    lg = ledger[key] = [0, 0, 0, 0]
+                lg[0] += inp
+                lg[1] += out
                 lg[2] += 1
                 lg[3] += req
-                r = runtimes.setdefault(rid, [e.pid, 0, 0, e.wall_ns, e.wall_ns])
-                r[1] = max(r[1], e.seq)
-                r[2] += 1
-                r[3] = min(r[3], e.wall_ns)
-                r[4] = max(r[4], e.wall_ns)
+                r = runtimes.get(rid)
+                if r is None:
+                    runtimes[rid] = [pid, seq, 1, wall, wall]
+                else:
+                    if seq > r[1]:
+                        r[1] = seq
+                    r[2] += 1
+                    if wall < r[3]:
+                        r[3] = wall
+                    elif wall > r[4]:
+                        r[4] = wall
+            if fresh:
+                before = db.total_changes
+                db.executemany(insert, fresh)
+                if db.total_changes - before != len(fresh):
+                    raise StoreError("events above the high-water mark were already stored: the store is corrupt")
             db.executemany(
                 "INSERT INTO usage_minute (minute, tenant, model, input_tokens, output_tokens, requests, events) "
                 "VALUES (?,?,?,?,?,?,?) ON CONFLICT (minute, tenant, model) DO UPDATE SET "
