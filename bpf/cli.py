@@ -44,6 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="meter only processes in this cgroup v2 directory or below it (repeat)")
     p.add_argument("--pod", action="append", default=[], metavar="NAMESPACE/NAME",
                    help="meter only this pod's processes on this node (its cgroup; repeat; needs get on pods)")
+    p.add_argument("--pod-uid", action="append", default=[], metavar="UID",
+                   help="the same by pod UID, no API call (a sidecar: the downward API's metadata.uid)")
+    p.add_argument("--cgroup-root", default="/sys/fs/cgroup",
+                   help="where the host's cgroup tree is visible, for --pod/--pod-uid (default /sys/fs/cgroup)")
     p.add_argument("--probe-library", metavar="PATH",
                    help="the runtimes' zerolayer/bpf/_probes*.so as seen from here, if not this installation's "
                         "(another image: /proc/<pid>/root/...)")
@@ -123,23 +127,27 @@ def _energy_source(spec: str):  # type: ignore[no-untyped-def]
     raise AuditError(f"--gpu-source: none, nvml or simulated:FILE, got {spec!r}")
 
 
-def _pod_cgroups(pods: list[str], kubeconfig: str | None) -> list[str]:
-    """``--pod NAMESPACE/NAME`` -> the pod's cgroup directories on this host (an error if it has none here)."""
+def _pod_cgroups(pods: list[str], uids: list[str], kubeconfig: str | None, cgroup_root: str) -> list[str]:
+    """``--pod NAMESPACE/NAME`` and ``--pod-uid UID`` -> the pods' cgroup directories on this host (an error if
+    a pod has none here)."""
     from zerolayer.bpf.errors import AuditError, BpfUnavailable
 
-    found: list[str] = []
-    for ref in pods:
+    wanted = [(uid, f"uid {uid}") for uid in uids]
+    if pods:
         from zerolayer.bpf.kube import pod_uid
-        from zerolayer.bpf.loader import pod_cgroups
 
-        uid = pod_uid(ref, kubeconfig)
+        wanted += [(pod_uid(ref, kubeconfig), ref) for ref in pods]
+    found: list[str] = []
+    for uid, name in wanted:
+        from zerolayer.bpf.loader import cgroup2_root, pod_cgroups
+
         try:
-            dirs = pod_cgroups(uid)
-        except BpfUnavailable as exc:  # no cgroup v2 here
-            raise AuditError(f"cannot find the cgroup of pod {ref}: {exc}") from exc
+            dirs = pod_cgroups(uid, cgroup2_root(cgroup_root))
+        except BpfUnavailable as exc:  # no cgroup v2 there
+            raise AuditError(f"cannot find the cgroup of pod {name}: {exc}") from exc
         if not dirs:
-            raise AuditError(f"pod {ref} (uid {uid}) has no cgroup on this host: is it running on this node?")
-        logging.getLogger(__name__).info("pod %s: cgroup %s", ref, ", ".join(dirs))
+            raise AuditError(f"pod {name} (uid {uid}) has no cgroup on this host: is it running on this node?")
+        logging.getLogger(__name__).info("pod %s: cgroup %s", name, ", ".join(dirs))
         found += dirs
     return found
 
@@ -152,13 +160,13 @@ def run_auditor(args: argparse.Namespace) -> int:
         from zerolayer.bpf.loader import render_program
 
         print(render_program(ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), filter_pids=bool(args.pid),
-                             filter_cgroups=bool(args.cgroup or args.pod)))
+                             filter_cgroups=bool(args.cgroup or args.pod or args.pod_uid)))
         return 0
     from zerolayer.bpf.auditor import Auditor, AuditorSettings, open_source
     from zerolayer.bpf.store import SqliteStore
 
     try:
-        cgroups = list(args.cgroup) + _pod_cgroups(args.pod, args.kubeconfig)
+        cgroups = list(args.cgroup) + _pod_cgroups(args.pod, args.pod_uid, args.kubeconfig, args.cgroup_root)
         store = SqliteStore(args.db)
         source = open_source(args.source, spool=args.spool, store=store,
                              ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), pids=args.pid,

@@ -95,12 +95,13 @@ def cgroup_id(path: str | os.PathLike[str]) -> int:
         raise BpfUnavailable(f"cannot read cgroup {path}: {exc}") from exc
 
 
-def cgroup2_root() -> pathlib.Path:
-    """Where the cgroup v2 hierarchy is mounted: /sys/fs/cgroup (unified) or /sys/fs/cgroup/unified (hybrid)."""
-    for path in (pathlib.Path("/sys/fs/cgroup"), pathlib.Path("/sys/fs/cgroup/unified")):
+def cgroup2_root(base: str | os.PathLike[str] = "/sys/fs/cgroup") -> pathlib.Path:
+    """Where the cgroup v2 hierarchy is: ``base`` (unified) or ``base/unified`` (hybrid). ``base`` is the host's
+    /sys/fs/cgroup, or where a container sees it mounted (the operator's auditor: /host/sys/fs/cgroup)."""
+    for path in (pathlib.Path(base), pathlib.Path(base) / "unified"):
         if (path / "cgroup.procs").exists() and (path / "cgroup.controllers").exists():
             return path
-    raise BpfUnavailable("no cgroup v2 hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified")
+    raise BpfUnavailable(f"no cgroup v2 hierarchy at {base} or {base}/unified")
 
 
 def pod_cgroups(uid: str, root: str | os.PathLike[str] | None = None, max_depth: int = 6) -> list[str]:

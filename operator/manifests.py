@@ -276,16 +276,20 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
             _host_path("modules", "/lib/modules", "Directory"),
             _host_path("usr-src", "/usr/src", "Directory"),
             _host_path("audit", "/var/lib/zerolayer/audit", "DirectoryOrCreate"),
+            _host_path("cgroup", "/sys/fs/cgroup", "Directory"),
         ]
         containers.append(
             {
                 "name": "auditor",
                 "image": image,
                 "imagePullPolicy": pull,
+                # Meter this pod's runtime only: its cgroup, found from the pod's UID in the host's cgroup tree.
                 "args": ["auditor", f"--source={AUDIT_SOURCES[audit.get('mode', 'auto')]}",
-                         f"--spool={AUDIT_SPOOL}", f"--db={AUDIT_DB}", "--tenant-quotas"]
+                         f"--spool={AUDIT_SPOOL}", f"--db={AUDIT_DB}", "--tenant-quotas",
+                         "--pod-uid=$(POD_UID)", "--cgroup-root=/host/sys/fs/cgroup"]
                 + ([f"--clickhouse={audit['clickhouseUrl']}"] if audit.get("store") == "clickhouse" else []),
-                "env": env,
+                "env": env + [{"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1",
+                                                                             "fieldPath": "metadata.uid"}}}],
                 "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
                 "securityContext": {
                     "privileged": False,
@@ -305,6 +309,7 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
                     {"name": "modules", "mountPath": "/lib/modules", "readOnly": True},
                     {"name": "usr-src", "mountPath": "/usr/src", "readOnly": True},
                     {"name": "audit", "mountPath": "/var/lib/zerolayer/audit"},
+                    {"name": "cgroup", "mountPath": "/host/sys/fs/cgroup", "readOnly": True},
                 ],
             }
         )

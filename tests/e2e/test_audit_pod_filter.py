@@ -1,5 +1,6 @@
-"""`zerolayer auditor --pod NAMESPACE/NAME`: the pod's UID from the real API server, its cgroup on this
-host, and the kernel filter keeping exactly the processes in the pod's containers.
+"""`zerolayer auditor --pod NAMESPACE/NAME` (or `--pod-uid`, as the operator's sidecar runs it): the pod's
+UID from the real API server, its cgroup on this host, and the kernel filter keeping exactly the
+processes in the pod's containers.
 
 The kubelet is the one part not running here (kwok nodes have no containers), so the test makes
 the pod's cgroup itself, where the kubelet's systemd driver puts it, in the real cgroup v2 tree,
@@ -38,15 +39,17 @@ sys.stdin.readline()
 """
 
 
-def auditor(db: pathlib.Path, log: pathlib.Path, kubeconfig: str, *pods: str) -> subprocess.Popen[bytes]:
-    args = [a for p in pods for a in ("--pod", p)]
+def auditor(db: pathlib.Path, log: pathlib.Path, kubeconfig: str, *pods: str, by: str = "--pod"
+            ) -> subprocess.Popen[bytes]:
+    args = [a for p in pods for a in (by, p)]
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "zerolayer.cli", "auditor", "--source", "bpf", "--db", str(db),
                                  "--kubeconfig", kubeconfig, "--flush-interval", "0.2", *args],
                                 stdout=out, stderr=subprocess.STDOUT)
 
 
-def test_auditor_meters_only_the_pods_processes(cluster, tmp_path):
+@pytest.mark.parametrize("by", ["--pod", "--pod-uid"])  # --pod-uid: the operator's sidecar (downward API)
+def test_auditor_meters_only_the_pods_processes(cluster, tmp_path, by):
     if reason := bpf_skip_reason():
         pytest.skip(reason)
     from zerolayer.bpf.loader import cgroup2_root
@@ -70,7 +73,7 @@ def test_auditor_meters_only_the_pods_processes(cluster, tmp_path):
         (container / "cgroup.procs").write_text(str(emitter.pid))
         in_pod = int(emitter.stdout.readline())
         db, log = tmp_path / "audit.db", tmp_path / "auditor.log"
-        proc = auditor(db, log, cluster.kubeconfig, f"{NS}/runtime")
+        proc = auditor(db, log, cluster.kubeconfig, f"{NS}/runtime" if by == "--pod" else uid, by=by)
         deadline = time.monotonic() + 60
         while b"bpf mode" not in log.read_bytes():
             assert proc.poll() is None, log.read_text()

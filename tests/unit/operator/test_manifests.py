@@ -98,6 +98,12 @@ def test_auditor_has_bpf_capabilities_and_host_mounts_but_is_not_privileged():
     assert {"/sys/kernel/tracing", "/sys/fs/bpf", "/lib/modules", "/usr/src"} <= mounts
     volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
     assert volumes["tracefs"]["hostPath"]["path"] == "/sys/kernel/tracing"
+    # It meters its own pod only: the pod's UID from the downward API, its cgroup in the host's tree (read-only).
+    assert "--pod-uid=$(POD_UID)" in auditor["args"] and "--cgroup-root=/host/sys/fs/cgroup" in auditor["args"]
+    assert {"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}} \
+        in auditor["env"]
+    assert volumes["cgroup"]["hostPath"]["path"] == "/sys/fs/cgroup"
+    assert {"name": "cgroup", "mountPath": "/host/sys/fs/cgroup", "readOnly": True} in auditor["volumeMounts"]
 
 
 def test_optional_containers_follow_spec():
