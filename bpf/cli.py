@@ -144,7 +144,7 @@ def _pod_cgroups(pods: list[str], uids: list[str], kubeconfig: str | None, cgrou
         try:
             dirs = pod_cgroups(uid, cgroup2_root(cgroup_root))
         except BpfUnavailable as exc:  # no cgroup v2 there
-            raise AuditError(f"cannot find the cgroup of pod {name}: {exc}") from exc
+            raise BpfUnavailable(f"cannot find the cgroup of pod {name}: {exc}") from exc
         if not dirs:
             raise AuditError(f"pod {name} (uid {uid}) has no cgroup on this host: is it running on this node?")
         logging.getLogger(__name__).info("pod %s: cgroup %s", name, ", ".join(dirs))
@@ -163,12 +163,21 @@ def run_auditor(args: argparse.Namespace) -> int:
                              filter_cgroups=bool(args.cgroup or args.pod or args.pod_uid)))
         return 0
     from zerolayer.bpf.auditor import Auditor, AuditorSettings, open_source
+    from zerolayer.bpf.errors import BpfUnavailable
     from zerolayer.bpf.store import SqliteStore
 
     try:
-        cgroups = list(args.cgroup) + _pod_cgroups(args.pod, args.pod_uid, args.kubeconfig, args.cgroup_root)
+        kind, cgroups = args.source, list(args.cgroup)
+        if kind != "journal":  # the pod filters are the kernel path's
+            try:
+                cgroups += _pod_cgroups(args.pod, args.pod_uid, args.kubeconfig, args.cgroup_root)
+            except BpfUnavailable as exc:
+                if kind == "bpf":
+                    raise
+                logging.getLogger(__name__).warning("%s: using the in-process journal path", exc)
+                kind = "journal"
         store = SqliteStore(args.db)
-        source = open_source(args.source, spool=args.spool, store=store,
+        source = open_source(kind, spool=args.spool, store=store,
                              ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), pids=args.pid,
                              cgroups=cgroups, pids_from_spool=args.pids_from_spool,
                              library=args.probe_library)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import signal
 import time
 
 import pytest
@@ -78,3 +79,18 @@ def test_reconcile_and_status_commands(tmp_path, capsys):
     assert main(["audit", "status", "--db", str(db), "--output", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["runtimes"][0]["missing"] == 2 and doc["reconciliations"][0]["output_tokens"] == 9
+
+
+def test_pod_filter_needs_the_kernel_path_auto_falls_back_bpf_refuses(tmp_path, capsys, monkeypatch):
+    from zerolayer.bpf.auditor import Auditor
+
+    monkeypatch.setattr(Auditor, "run", lambda self: None)  # start, say the mode, stop
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    common = ["--db", str(tmp_path / "a.db"), "--spool", str(tmp_path / "spool"), "--pod-uid", "0000-1111",
+              "--cgroup-root", str(tmp_path / "no-cgroups")]
+    assert main(["auditor", "--source", "journal", *common]) == 0  # no lookup: pods are the kernel path's filter
+    assert "journal mode" in capsys.readouterr().out
+    assert main(["auditor", "--source", "auto", *common]) == 0  # no cgroup v2 there: falls back, says so
+    assert "journal mode" in capsys.readouterr().out
+    assert main(["auditor", "--source", "bpf", *common]) == 2
+    assert "cannot find the cgroup of pod uid 0000-1111" in capsys.readouterr().err
