@@ -131,6 +131,7 @@ def _pod_cgroups(pods: list[str], uids: list[str], kubeconfig: str | None, cgrou
     """``--pod NAMESPACE/NAME`` and ``--pod-uid UID`` -> the pods' cgroup directories on this host (an error if
     a pod has none here)."""
     from zerolayer.bpf.errors import AuditError, BpfUnavailable
+    from zerolayer.bpf.loader import cgroup2_root, pod_cgroups
 
     wanted = [(uid, f"uid {uid}") for uid in uids]
     if pods:
@@ -139,8 +140,6 @@ def _pod_cgroups(pods: list[str], uids: list[str], kubeconfig: str | None, cgrou
         wanted += [(pod_uid(ref, kubeconfig), ref) for ref in pods]
     found: list[str] = []
     for uid, name in wanted:
-        from zerolayer.bpf.loader import cgroup2_root, pod_cgroups
-
         try:
             dirs = pod_cgroups(uid, cgroup2_root(cgroup_root))
         except BpfUnavailable as exc:  # no cgroup v2 there

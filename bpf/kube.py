@@ -22,20 +22,27 @@ def _rfc3339(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _load_config(kubeconfig: str | None) -> None:
+    """The given kubeconfig; else in-cluster, then ~/.kube/config."""
+    from kubernetes import config
+
+    if kubeconfig:
+        config.load_kube_config(kubeconfig)
+        return
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
 class TenantQuotaApi:
     """The two calls the auditor needs, behind one small wrapper (tests substitute this class)."""
 
     def __init__(self, kubeconfig: str | None = None) -> None:
         try:
-            from kubernetes import client, config
+            from kubernetes import client
 
-            if kubeconfig:
-                config.load_kube_config(kubeconfig)
-            else:
-                try:
-                    config.load_incluster_config()
-                except config.ConfigException:
-                    config.load_kube_config()
+            _load_config(kubeconfig)
             self._api = client.CustomObjectsApi()
         except Exception as exc:  # kubernetes raises several unrelated types for bad configs
             raise QuotaStatusError(f"cannot configure the Kubernetes client: {exc}") from exc
@@ -59,15 +66,9 @@ def pod_uid(ref: str, kubeconfig: str | None = None) -> str:
     if not sep or not namespace or not name:
         raise AuditError(f"--pod takes NAMESPACE/NAME, not {ref!r}")
     try:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        if kubeconfig:
-            config.load_kube_config(kubeconfig)
-        else:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
+        _load_config(kubeconfig)
         pod = client.CoreV1Api().read_namespaced_pod(name, namespace)
     except Exception as exc:  # config errors, ApiException (404, 403), connection errors
         reason = getattr(exc, "reason", None) or exc

@@ -235,6 +235,7 @@ class TokenProbe:
         if self._journal_fd is not None:
             os.close(self._journal_fd)
             self._journal_fd = None
+
     def _snapshot_loop(self) -> None:
         while not self._closed.is_set():
             self._dirty.wait()

@@ -31,7 +31,6 @@ from zerolayer.bpf.errors import StoreError
 from zerolayer.bpf.events import FLAG_FIRST, TokenEvent
 
 NS = 1_000_000_000
-MINUTE_NS = 60 * NS
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS token_events (
@@ -173,7 +172,7 @@ class SqliteStore:
                     continue
                 written += 1
                 req = flags & FLAG_FIRST
-                key = (wall // MINUTE_NS * 60, tenant, model)
+                key = (minute_of(wall), tenant, model)
                 u = usage.get(key)
                 if u is None:
                     u = usage[key] = [0, 0, 0, 0]
