@@ -24,7 +24,7 @@ from zerolayer.runtime.gpu.api import GpuSource, GpuSourceError
 
 from .errors import DefragError
 from .policy import DefragPolicy, IdleTracker, Nudge, ResetDecision, reset_decisions
-from .scope import PodScope
+from .scope import PodScope, catches_signal
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ class Defragd:
                  node: Callable[[], Mapping[str, Any] | None] = lambda: None,
                  policy_overrides: Mapping[str, Any] | None = None, events: EventSink | None = None,
                  metrics: DefragMetrics | None = None, send_signal: Callable[[int, int], None] = os.kill,
-                 reset: Callable[[int], None] = nvidia_smi_reset, clock: Callable[[], float] = time.monotonic) -> None:
+                 reset: Callable[[int], None] = nvidia_smi_reset, clock: Callable[[], float] = time.monotonic,
+                 catches: Callable[[int, int], bool] = catches_signal) -> None:
         self.source = source
         self.scope = scope
         self._overrides = dict(policy_overrides or {})
@@ -141,6 +142,7 @@ class Defragd:
         self._send_signal = send_signal
         self._reset = reset
         self._clock = clock
+        self._catches = catches
         self.tracker = IdleTracker()
         self._stop = threading.Event()
 
@@ -182,14 +184,23 @@ class Defragd:
     def _nudge(self, n: Nudge, now: float) -> bool:
         what = (f"PID {n.pid} on GPU {n.gpu_index} ({n.gpu_uuid}) used {n.memory_fraction:.1%} of its memory "
                 f"for {n.idle_for_s / 60:.0f} min")
+        if not self.policy.dry_run and not self.scope.contains(n.pid):
+            self._count("nudge", "skipped")  # asked again: the PID may have exited and been reused
+            return False
+        dry = "dry run: " if self.policy.dry_run else ""
+        if not self._catches(n.pid, signal.SIGUSR1):
+            # SIGUSR1's default action is to terminate: a process that does not catch it would be killed,
+            # not nudged. Remembered as nudged so the Event comes once per idle period, not every scan.
+            self.tracker.nudged(n, now)
+            self._count("nudge", "no_handler")
+            self.events.event("IdleProcessNotNudged", f"{dry}not signalling {what}: it has no SIGUSR1 handler "
+                              "(SigCgt), so the signal would terminate it", action="Nudge")
+            return False
         if self.policy.dry_run:
             self.tracker.nudged(n, now)
             self._count("nudge", "ok")
             self.events.event("IdleProcessNudge", f"dry run: would send SIGUSR1 to {what}", action="Nudge")
             return True
-        if not self.scope.contains(n.pid):  # asked again: the PID may have exited and been reused
-            self._count("nudge", "skipped")
-            return False
         try:
             self._send_signal(n.pid, signal.SIGUSR1)
         except OSError as exc:

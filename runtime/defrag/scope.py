@@ -9,6 +9,8 @@
 - :class:`PidAllowlist`: an explicit list (tests, unusual layouts).
 
 ``contains`` is asked again right before each signal, so a PID reused in between is not hit.
+Being in scope is not enough to be signalled: :func:`catches_signal` must also say the process
+installed a handler for the signal (SIGUSR1's default action is to terminate the process).
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ _POD_SEGMENT = re.compile(r"(?:^|-)pod[0-9a-fA-F][0-9a-fA-F_-]*(?:\.slice)?$")
 class PodScope(Protocol):
     def contains(self, pid: int) -> bool: ...
     def describe(self) -> str: ...
+
+
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` (the ``SigCgt`` mask of
+    ``/proc/<pid>/status``; bit ``signum - 1``). False when the process is gone or unreadable."""
+    try:
+        with open(PROC / str(pid) / "status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _alive(pid: int) -> bool:
