@@ -394,14 +394,19 @@ class Application:
         channel.reset(ERRORS[refused.code].rst_code)
 
     async def _finish(self, stream: ActiveStream) -> None:
-        """Abort unfinished engine work and settle exactly once (idempotent)."""
+        """Settle exactly once (idempotent), then abort unfinished engine work.
+
+        Settling comes first and without an await: the connection going away cancels this task a
+        second time (``connection_lost`` after ``eof_received``, or RST_STREAM then FIN), and that
+        cancel lands on the first await here. Anything after it must not be bookkeeping.
+        """
         request_id, stream.engine_request = stream.engine_request, None
+        self.settle(stream)
         if request_id is not None:
             try:
                 await asyncio.shield(self.engine.abort(request_id))
             except EngineError as exc:
                 log.warning("engine abort of %s failed: %s", request_id, exc)
-        self.settle(stream)
 
     def settle(self, stream: ActiveStream) -> None:
         if stream.settled:
@@ -415,10 +420,12 @@ class Application:
     def stream_aborted(self, key: str) -> None:
         """The peer reset the stream or the connection went away."""
         stream = self.streams.get(key)
-        if stream is None:
+        if stream is None or stream.settled:
             return
         if stream.task is not None and stream.started:
-            stream.task.cancel()  # its finally aborts engine work and settles
+            if stream.task.cancelling():
+                return  # already being stopped (the peer's reset, then its FIN): one cancel is enough
+            stream.task.cancel()  # its finally settles and aborts engine work
         else:
             if stream.task is not None:
                 stream.task.cancel()  # never ran: the coroutine body (and its finally) will not run
