@@ -53,6 +53,11 @@ def import_bcc():  # type: ignore[no-untyped-def]
     return bcc
 
 
+def wall_offset_ns() -> int:
+    """Wall clock minus CLOCK_MONOTONIC now (what turns a BPF ktime into Unix time)."""
+    return time.time_ns() - time.monotonic_ns()
+
+
 def ring_pages(ring_buffer_bytes: int) -> int:
     """Ring buffers are a power-of-two number of pages; round the setting up."""
     pages = max(1, -(-ring_buffer_bytes // PAGE))
@@ -165,8 +170,6 @@ class BpfTokenSource:
             self._ring.open_ring_buffer(self._on_event)
         except Exception as exc:  # bcc raises Exception for compile/attach failures
             raise BpfUnavailable(f"cannot load the BPF program: {exc}") from exc
-        # ktime is CLOCK_MONOTONIC; events are stored with wall time.
-        self._wall_offset_ns = time.time_ns() - time.monotonic_ns()
         self._raw: list[bytes] = []
         self.batches = 0
         self.corrupt = 0  # batches whose records did not decode (counted in lost())
@@ -187,7 +190,9 @@ class BpfTokenSource:
         self.bpf.ring_buffer_consume()
         raw, self._raw = self._raw, []
         events: list[TokenEvent] = []
-        offset = self._wall_offset_ns
+        # ktime is CLOCK_MONOTONIC; events are stored with wall time. The offset is read at every poll, not
+        # once at attach: an NTP step moves the wall clock and not ktime (review finding 29).
+        offset = wall_offset_ns()
         for record in raw:
             ktime, cgroup, pid, count, length, _ = HEADER.unpack_from(record)
             try:
