@@ -26,9 +26,9 @@ from typing import Any, Callable, Protocol, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from zerolayer.bpf.billing import PriceBook, bill
-from zerolayer.bpf.errors import AuditError, BpfUnavailable
+from zerolayer.bpf.errors import AuditError, BpfUnavailable, CountersError
 from zerolayer.bpf.events import TokenEvent
-from zerolayer.bpf.store import NS, SqliteStore, minute_of
+from zerolayer.bpf.store import NS, SqliteStore, minute_of, parse_counters
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,12 @@ class AuditorMetrics:
                                   "Tokens booked from runtime counters for missing events", ["kind"], registry=r)
         self.disagreements = Counter("zerolayer_auditor_disagreements",
                                      "Times the store held more tokens than a runtime counted", registry=r)
+        self.held = Counter("zerolayer_auditor_held_tokens",
+                            "Tokens runtime counters claimed beyond the reconcile limits: held, not billed",
+                            ["kind"], registry=r)
+        self.bad_counters = Counter("zerolayer_auditor_bad_counters",
+                                    "Malformed runtime counters documents skipped (each file version once)",
+                                    registry=r)
         self.flush_seconds = Gauge("zerolayer_auditor_last_flush_seconds", "Duration of the last store write",
                                    registry=r)
 
@@ -101,6 +107,7 @@ class Auditor:
         self._committed_state: dict[str, str] | None = None
         self._lost_base = int(store.state("kernel_lost_total", "0") or 0)
         self._snapshot_seen: dict[str, tuple[int, bool]] = {}
+        self._bad_counters: dict[str, tuple[int, int]] = {}  # file name -> (mtime_ns, size) seen malformed
         self._last_energy: float | None = None
         self.metrics.mode.labels(source.kind).set(1)
         store.set_state({"mode": source.kind})
@@ -174,9 +181,9 @@ class Auditor:
             if path.name in self._known_files:
                 continue  # one file per runtime process: read it once
             try:
-                pid = int(json.loads(path.read_text())["pid"])
-            except (OSError, ValueError, KeyError):
-                continue  # being replaced right now: next round
+                pid = parse_counters(json.loads(path.read_text()))["pid"]
+            except (OSError, ValueError, CountersError):
+                continue  # being replaced right now (or malformed, which reconcile reports): next round
             self._known_files.add(path.name)
             if pid not in self._known_pids:
                 self._known_pids.add(pid)
@@ -198,13 +205,11 @@ class Auditor:
             return []
         snapshots = []
         for path in sorted(self.spool.glob("*.counters.json")):
-            try:
-                doc = json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
-                log.warning("skipping unreadable counters %s: %s", path, exc)
+            doc = self._read_counters(path)
+            if doc is None:
                 continue
             seen = self._snapshot_seen.get(doc["runtime_id"])
-            if seen == (doc["seq"], bool(doc.get("final"))):
+            if seen == (doc["seq"], doc["final"]):
                 continue
             snapshots.append(doc)
         if not snapshots:
@@ -214,7 +219,13 @@ class Auditor:
         for doc in snapshots:
             for r in self.store.reconcile(doc):
                 found.append(r)
-                if r.kind == "disagreement":
+                if r.kind == "held":
+                    self.metrics.held.labels("input").inc(max(0, r.input_tokens))
+                    self.metrics.held.labels("output").inc(max(0, r.output_tokens))
+                    log.error("runtime %s counters claim %d input, %d output tokens in %d events for %s/%s beyond "
+                              "what may be booked from counters (seq gaps, reconcile limits): held, not billed",
+                              r.runtime_id, r.input_tokens, r.output_tokens, r.events, r.tenant, r.model)
+                elif r.kind == "disagreement":
                     self.metrics.disagreements.inc()
                     log.error("runtime %s counted fewer tokens than the store holds for %s/%s (input %+d, output "
                               "%+d, events %+d as of seq %d)", r.runtime_id, r.tenant, r.model, r.input_tokens,
@@ -224,9 +235,27 @@ class Auditor:
                     self.metrics.reconciled.labels("output").inc(r.output_tokens)
                     log.warning("reconciled %d events (%d input, %d output tokens) for %s/%s from runtime %s "
                                 "counters", r.events, r.input_tokens, r.output_tokens, r.tenant, r.model, r.runtime_id)
-            self._snapshot_seen[doc["runtime_id"]] = (doc["seq"], bool(doc.get("final")))
+            self._snapshot_seen[doc["runtime_id"]] = (doc["seq"], doc["final"])
         self.metrics.missing.set(sum(r["missing"] for r in self.store.totals()["runtimes"]))
         return found
+
+    def _read_counters(self, path: pathlib.Path) -> dict[str, Any] | None:
+        """The validated document, or None (unreadable now, or malformed: logged and counted once per version)."""
+        try:
+            stat = path.stat()
+            text = path.read_text()
+        except OSError as exc:
+            log.warning("skipping unreadable counters %s: %s", path, exc)
+            return None
+        try:
+            return parse_counters(json.loads(text))
+        except (ValueError, CountersError) as exc:
+            version = (stat.st_mtime_ns, stat.st_size)
+            if self._bad_counters.get(path.name) != version:
+                self._bad_counters[path.name] = version
+                self.metrics.bad_counters.inc()
+                log.error("skipping malformed counters %s: %s", path, exc)
+            return None
 
     def sync_mirror(self) -> None:
         from zerolayer.bpf.errors import StoreError

@@ -57,6 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="BPF ring buffer size: the node's peak events/s x the 0.1 s drain (an event is ~110 bytes)")
     p.add_argument("--flush-interval", type=float, default=0.5, help="seconds between store writes")
     p.add_argument("--reconcile-interval", type=float, default=5.0, help="seconds between counter cross-checks")
+    _reconcile_limit_options(p)
     p.add_argument("--retention", type=parse_duration, default=parse_duration("7d"),
                    help="keep per-event detail this long (default 7d); aggregates are kept")
     p.add_argument("--aggregate-retention", type=parse_duration, default=None, help="drop aggregates older than this")
@@ -96,7 +97,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     c = sub.add_parser("reconcile", help="reconcile from counters snapshots now (with the auditor stopped)")
     c.add_argument("--db", default="audit.db")
     c.add_argument("--spool", required=True)
+    _reconcile_limit_options(c)
     c.set_defaults(handler=run_reconcile)
+
+
+def _reconcile_limit_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reconcile-max-ratio", type=float, default=1.0,
+                        help="tokens booked from a runtime's counters stay within this share of the tokens metered "
+                             "from its events (per tenant and model; default 1.0); the rest is held, not billed")
+    parser.add_argument("--reconcile-min-tokens", type=int, default=100_000,
+                        help="...but may always reach this many tokens (default 100000)")
+
+
+def _limits(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from zerolayer.bpf.store import ReconcileLimits
+
+    return ReconcileLimits(max_ratio=args.reconcile_max_ratio, min_tokens=args.reconcile_min_tokens)
 
 
 def _price_book(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -175,7 +191,7 @@ def run_auditor(args: argparse.Namespace) -> int:
                     raise
                 logging.getLogger(__name__).warning("%s: using the in-process journal path", exc)
                 kind = "journal"
-        store = SqliteStore(args.db)
+        store = SqliteStore(args.db, limits=_limits(args))
         source = open_source(kind, spool=args.spool, store=store,
                              ring_buffer_bytes=int(args.ring_buffer_mb * (1 << 20)), pids=args.pid,
                              cgroups=cgroups, pids_from_spool=args.pids_from_spool,
@@ -282,21 +298,24 @@ def run_status(args: argparse.Namespace) -> int:
         print()
         print(table(doc["reconciliations"], ["runtime_id", "tenant", "model", "counters_seq", "input_tokens",
                                               "output_tokens", "events", "kind"]))
-    return 1 if any(r["kind"] == "disagreement" for r in doc["reconciliations"]) else 0
+    return 1 if any(r["kind"] in ("disagreement", "held") for r in doc["reconciliations"]) else 0
 
 
 def run_reconcile(args: argparse.Namespace) -> int:
     import pathlib
 
-    from zerolayer.bpf.errors import AuditError
+    from zerolayer.bpf.errors import AuditError, CountersError
     from zerolayer.bpf.store import SqliteStore
 
     try:
-        store = SqliteStore(args.db)
+        store = SqliteStore(args.db, limits=_limits(args))
         found = []
         for path in sorted(pathlib.Path(args.spool).glob("*.counters.json")):
-            found.extend(store.reconcile(json.loads(path.read_text())))
-    except (AuditError, OSError, ValueError) as exc:
+            try:
+                found.extend(store.reconcile(json.loads(path.read_text())))
+            except (CountersError, ValueError) as exc:  # one bad document does not stop the others
+                print(f"zerolayer audit: skipping {path}: {exc}", file=sys.stderr)
+    except (AuditError, OSError) as exc:
         print(f"zerolayer audit: {exc}", file=sys.stderr)
         return 2
     for r in found:
@@ -304,4 +323,4 @@ def run_reconcile(args: argparse.Namespace) -> int:
               f"{r.output_tokens:+d}, events {r.events:+d} (counters seq {r.counters_seq})")
     if not found:
         print("store agrees with every runtime's counters")
-    return 1 if any(r.kind == "disagreement" for r in found) else 0
+    return 1 if any(r.kind in ("disagreement", "held") for r in found) else 0

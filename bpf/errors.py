@@ -24,3 +24,7 @@ class BillingError(AuditError):
 
 class QuotaStatusError(AuditError):
     """TenantQuota status could not be read or written."""
+
+
+class CountersError(AuditError):
+    """A runtime's counters snapshot is not a well-formed document: it is skipped, never trusted."""

@@ -9,7 +9,7 @@ Schema (the same tables in SQLite and ClickHouse, see :mod:`zerolayer.bpf.clickh
                    written, ``pruned_seq`` (detail below it was pruned), last counters seq reconciled.
 ``runtime_ledger`` per (runtime, tenant, model): cumulative booked and reconciled tokens -- what the
                    runtime's own counters are compared with.
-``reconciliations`` one row per adjustment or disagreement found.
+``reconciliations`` one row per adjustment, held claim or disagreement found.
 ``energy_minute``  GPU energy per (minute, gpu) in joules, integrated from power readings.
 ``auditor_state``  key/value: journal offsets, kernel lost-event totals, mode.
 
@@ -27,7 +27,7 @@ import sqlite3
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
-from zerolayer.bpf.errors import StoreError
+from zerolayer.bpf.errors import CountersError, StoreError
 from zerolayer.bpf.events import FLAG_FIRST, TokenEvent
 
 NS = 1_000_000_000
@@ -58,6 +58,8 @@ CREATE TABLE IF NOT EXISTS runtime_ledger (
     events INTEGER NOT NULL DEFAULT 0, requests INTEGER NOT NULL DEFAULT 0,
     reconciled_input INTEGER NOT NULL DEFAULT 0, reconciled_output INTEGER NOT NULL DEFAULT 0,
     reconciled_events INTEGER NOT NULL DEFAULT 0,
+    held_input INTEGER NOT NULL DEFAULT 0, held_output INTEGER NOT NULL DEFAULT 0,
+    held_events INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (runtime_id, tenant, model)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS reconciliations (
     at_ns INTEGER NOT NULL, runtime_id TEXT NOT NULL, tenant TEXT NOT NULL, model TEXT NOT NULL,
@@ -76,6 +78,59 @@ class WriteResult:
     duplicates: int  # already in the store (replays), not counted again
 
 
+# Columns added after the first release: (table, column, definition) for stores created before them.
+MIGRATIONS = (
+    ("runtime_ledger", "held_input", "INTEGER NOT NULL DEFAULT 0"),
+    ("runtime_ledger", "held_output", "INTEGER NOT NULL DEFAULT 0"),
+    ("runtime_ledger", "held_events", "INTEGER NOT NULL DEFAULT 0"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconcileLimits:
+    """How much a runtime's counters may book beyond its events (the counters come from the server
+    container, which the auditor does not trust with billing).
+
+    Per (runtime, tenant, model), reconciled tokens stay within ``max(min_tokens, max_ratio x tokens
+    metered from events)``, and the missing events a snapshot claims must fit the runtime's sequence
+    gaps. What exceeds either is *held*: recorded (kind ``held``), counted, never billed.
+    """
+
+    max_ratio: float = 1.0
+    min_tokens: int = 100_000
+
+
+def _count(doc: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = doc.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 1 << 63:
+        raise CountersError(f"{key} must be a non-negative integer, not {value!r}")
+    return value
+
+
+def parse_counters(doc: Any) -> dict[str, Any]:
+    """A validated copy of a ``<runtime_id>.counters.json`` document, or :class:`CountersError`."""
+    if not isinstance(doc, Mapping):
+        raise CountersError(f"expected a JSON object, not {type(doc).__name__}")
+    rid = doc.get("runtime_id")
+    if not isinstance(rid, str) or not 0 < len(rid) <= 64:
+        raise CountersError(f"runtime_id must be a non-empty string, not {rid!r}")
+    totals = doc.get("totals", [])
+    if not isinstance(totals, list):
+        raise CountersError("totals must be a list")
+    rows = []
+    for t in totals:
+        if not isinstance(t, Mapping) or not isinstance(t.get("tenant"), str) or not isinstance(t.get("model"), str):
+            raise CountersError(f"a totals entry needs string tenant and model: {t!r:.200}")
+        rows.append({"tenant": t["tenant"], "model": t["model"], "input_tokens": _count(t, "input_tokens"),
+                     "output_tokens": _count(t, "output_tokens"), "events": _count(t, "events"),
+                     "requests": _count(t, "requests", 0)})
+    if len({(r["tenant"], r["model"]) for r in rows}) != len(rows):
+        raise CountersError("totals name the same tenant and model twice")
+    return {"runtime_id": rid, "pid": _count(doc, "pid", 0), "seq": _count(doc, "seq"),
+            "written_ns": _count(doc, "written_ns", 0), "started_ns": _count(doc, "started_ns", 0),
+            "final": bool(doc.get("final")), "totals": rows}
+
+
 @dataclasses.dataclass(frozen=True)
 class Reconciliation:
     runtime_id: str
@@ -85,7 +140,9 @@ class Reconciliation:
     input_tokens: int  # > 0: booked from the counters; < 0: the store holds more than the runtime counted
     output_tokens: int
     events: int
-    kind: str  # "reconciled" (missing events booked) | "disagreement" (store above counters)
+    # "reconciled" (missing events booked) | "disagreement" (store above counters) | "held" (claimed beyond
+    # ReconcileLimits: the amounts are what is held now, not billed)
+    kind: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +167,9 @@ class SqliteStore:
 
     kind = "sqlite"
 
-    def __init__(self, path: str | pathlib.Path) -> None:
+    def __init__(self, path: str | pathlib.Path, *, limits: ReconcileLimits | None = None) -> None:
         self.path = str(path)
+        self.limits = limits or ReconcileLimits()
         try:
             if self.path != ":memory:":
                 pathlib.Path(self.path).parent.mkdir(parents=True, exist_ok=True)
@@ -119,8 +177,14 @@ class SqliteStore:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")  # a committed high-water mark survives power loss
             self.db.executescript(SCHEMA)
+            self._migrate()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open audit store {self.path}: {exc}") from exc
+
+    def _migrate(self) -> None:
+        for table, column, definition in MIGRATIONS:
+            if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
     def close(self) -> None:
         self.db.close()
@@ -239,56 +303,74 @@ class SqliteStore:
         event ``seq``. The caller guarantees every event up to ``seq`` that will ever arrive has been
         written (it drained its source after reading the snapshot). Idempotent: tokens already
         reconciled are not booked twice, and an older snapshot than the last one changes nothing.
+        Booking stays within :class:`ReconcileLimits`; the excess is held. A malformed document
+        raises :class:`CountersError` and changes nothing.
         """
+        doc = parse_counters(counters)
         try:
-            return self._reconcile(counters, time.time_ns() if now_ns is None else now_ns)
+            return self._reconcile(doc, time.time_ns() if now_ns is None else now_ns)
         except sqlite3.Error as exc:
             raise StoreError(f"audit store reconcile failed: {exc}") from exc
 
     def _reconcile(self, counters: Mapping[str, Any], now_ns: int) -> list[Reconciliation]:
         db = self.db
-        rid = str(counters["runtime_id"])
-        seq = int(counters["seq"])
+        rid = counters["runtime_id"]
+        seq = counters["seq"]
         found: list[Reconciliation] = []
         db.execute("BEGIN IMMEDIATE")
         try:
-            row = db.execute("SELECT counters_seq FROM runtimes WHERE runtime_id=?", (rid,)).fetchone()
-            if row is not None and row[0] >= seq and not counters.get("final"):
+            row = db.execute("SELECT counters_seq, events FROM runtimes WHERE runtime_id=?", (rid,)).fetchone()
+            if row is not None and row[0] >= seq and not counters["final"]:
                 db.execute("COMMIT")
                 return found
             after = {(t, m): (i, o, n) for t, m, i, o, n in db.execute(
                 "SELECT tenant, model, sum(input_tokens), sum(output_tokens), count(*) FROM token_events "
                 "WHERE runtime_id=? AND seq>? GROUP BY tenant, model", (rid, seq))}
-            minute = minute_of(int(counters.get("written_ns") or now_ns))
-            for t in counters.get("totals", ()):
+            # Sequence numbers up to seq that no stored or already reconciled event accounts for: the most
+            # missing events any snapshot can claim.
+            stored = (row[1] if row else 0) - sum(a[2] for a in after.values())
+            (reconciled_events,) = db.execute("SELECT coalesce(sum(reconciled_events), 0) FROM runtime_ledger "
+                                              "WHERE runtime_id=?", (rid,)).fetchone()
+            gaps = seq - stored - reconciled_events
+            minute = minute_of(counters["written_ns"] or now_ns)
+            for t in counters["totals"]:
                 key = (t["tenant"], t["model"])
                 lg = db.execute(
                     "SELECT input_tokens, output_tokens, events, reconciled_input, reconciled_output, "
-                    "reconciled_events FROM runtime_ledger WHERE runtime_id=? AND tenant=? AND model=?",
-                    (rid, *key)).fetchone() or (0, 0, 0, 0, 0, 0)
+                    "reconciled_events, held_input, held_output, held_events FROM runtime_ledger "
+                    "WHERE runtime_id=? AND tenant=? AND model=?", (rid, *key)).fetchone() or (0,) * 9
                 a = after.get(key, (0, 0, 0))
-                d_in = int(t["input_tokens"]) - (lg[0] - a[0]) - lg[3]
-                d_out = int(t["output_tokens"]) - (lg[1] - a[1]) - lg[4]
-                d_ev = int(t["events"]) - (lg[2] - a[2]) - lg[5]
-                if d_in == d_out == d_ev == 0:
-                    continue
+                d_in = t["input_tokens"] - (lg[0] - a[0]) - lg[3]
+                d_out = t["output_tokens"] - (lg[1] - a[1]) - lg[4]
+                d_ev = t["events"] - (lg[2] - a[2]) - lg[5]
                 if d_in < 0 or d_out < 0 or d_ev < 0:
                     found.append(Reconciliation(rid, *key, seq, d_in, d_out, d_ev, "disagreement"))
                     continue
-                found.append(Reconciliation(rid, *key, seq, d_in, d_out, d_ev, "reconciled"))
-                db.execute(
-                    "INSERT INTO runtime_ledger (runtime_id, tenant, model, reconciled_input, reconciled_output, "
-                    "reconciled_events) VALUES (?,?,?,?,?,?) ON CONFLICT (runtime_id, tenant, model) DO UPDATE SET "
-                    "reconciled_input = reconciled_input + excluded.reconciled_input, "
-                    "reconciled_output = reconciled_output + excluded.reconciled_output, "
-                    "reconciled_events = reconciled_events + excluded.reconciled_events",
-                    (rid, *key, d_in, d_out, d_ev))
-                db.execute(
-                    "INSERT INTO usage_minute (minute, tenant, model, reconciled_input, reconciled_output) "
-                    "VALUES (?,?,?,?,?) ON CONFLICT (minute, tenant, model) DO UPDATE SET "
-                    "reconciled_input = reconciled_input + excluded.reconciled_input, "
-                    "reconciled_output = reconciled_output + excluded.reconciled_output",
-                    (minute, *key, d_in, d_out))
+                b_in, b_out, b_ev = self._bookable(d_in, d_out, d_ev, gaps, metered=lg[0] + lg[1],
+                                                   reconciled=lg[3] + lg[4])
+                gaps -= b_ev
+                held = (d_in - b_in, d_out - b_out, d_ev - b_ev)
+                if held != tuple(lg[6:9]):
+                    found.append(Reconciliation(rid, *key, seq, *held, "held"))
+                if b_in or b_out or b_ev:
+                    found.append(Reconciliation(rid, *key, seq, b_in, b_out, b_ev, "reconciled"))
+                    db.execute(
+                        "INSERT INTO usage_minute (minute, tenant, model, reconciled_input, reconciled_output) "
+                        "VALUES (?,?,?,?,?) ON CONFLICT (minute, tenant, model) DO UPDATE SET "
+                        "reconciled_input = reconciled_input + excluded.reconciled_input, "
+                        "reconciled_output = reconciled_output + excluded.reconciled_output",
+                        (minute, *key, b_in, b_out))
+                if held != tuple(lg[6:9]) or b_in or b_out or b_ev:
+                    db.execute(
+                        "INSERT INTO runtime_ledger (runtime_id, tenant, model, reconciled_input, reconciled_output, "
+                        "reconciled_events, held_input, held_output, held_events) VALUES (?,?,?,?,?,?,?,?,?) "
+                        "ON CONFLICT (runtime_id, tenant, model) DO UPDATE SET "
+                        "reconciled_input = reconciled_input + excluded.reconciled_input, "
+                        "reconciled_output = reconciled_output + excluded.reconciled_output, "
+                        "reconciled_events = reconciled_events + excluded.reconciled_events, "
+                        "held_input = excluded.held_input, held_output = excluded.held_output, "
+                        "held_events = excluded.held_events",
+                        (rid, *key, b_in, b_out, b_ev, *held))
             db.executemany("INSERT INTO reconciliations VALUES (?,?,?,?,?,?,?,?,?)",
                            [(now_ns, r.runtime_id, r.tenant, r.model, r.counters_seq, r.input_tokens,
                              r.output_tokens, r.events, r.kind) for r in found])
@@ -296,12 +378,23 @@ class SqliteStore:
                 "INSERT INTO runtimes (runtime_id, pid, counters_seq, final) VALUES (?,?,?,?) "
                 "ON CONFLICT (runtime_id) DO UPDATE SET counters_seq = max(counters_seq, excluded.counters_seq), "
                 "final = max(final, excluded.final)",
-                (rid, int(counters.get("pid", 0)), seq, 1 if counters.get("final") else 0))
+                (rid, counters["pid"], seq, 1 if counters["final"] else 0))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
         return found
+
+    def _bookable(self, d_in: int, d_out: int, d_ev: int, gaps: int, *, metered: int,
+                  reconciled: int) -> tuple[int, int, int]:
+        """The part of a claim (missing input, output tokens, events) that may be booked now."""
+        if d_ev > gaps:  # more missing events than unexplained sequence numbers: nothing of it is believable
+            return 0, 0, 0
+        room = max(0, max(self.limits.min_tokens, int(self.limits.max_ratio * metered)) - reconciled)
+        if d_in + d_out <= room:
+            return d_in, d_out, d_ev
+        b_in = min(d_in, room)
+        return b_in, min(d_out, room - b_in), 0  # events are booked with the last of their tokens
 
     def add_energy(self, minute: int, gpu: str, joules: float) -> None:
         try:
@@ -372,9 +465,11 @@ class SqliteStore:
         for r in runtimes:
             # Events that never reached the store: seq gaps, and the tail the runtime's counters saw beyond hwm.
             r["missing"] = max(r["hwm"], r["counters_seq"]) - r["events"]
-        ledger = [dict(zip(("runtime_id", "tenant", "model", "input_tokens", "output_tokens", "events", "requests",
-                            "reconciled_input", "reconciled_output", "reconciled_events"), r))
-                  for r in db.execute("SELECT * FROM runtime_ledger ORDER BY runtime_id, tenant, model")]
+        columns = ("runtime_id", "tenant", "model", "input_tokens", "output_tokens", "events", "requests",
+                   "reconciled_input", "reconciled_output", "reconciled_events", "held_input", "held_output",
+                   "held_events")
+        ledger = [dict(zip(columns, r)) for r in db.execute(
+            f"SELECT {', '.join(columns)} FROM runtime_ledger ORDER BY runtime_id, tenant, model")]
         recon = [dict(zip(("at_ns", "runtime_id", "tenant", "model", "counters_seq", "input_tokens",
                            "output_tokens", "events", "kind"), r))
                  for r in db.execute("SELECT * FROM reconciliations ORDER BY at_ns")]
