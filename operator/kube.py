@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 KINDS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("v1", "Node"): ("/api/v1", "nodes", False),
     ("v1", "Secret"): ("/api/v1", "secrets", True),
+    ("v1", "PersistentVolumeClaim"): ("/api/v1", "persistentvolumeclaims", True),
+    ("v1", "Pod"): ("/api/v1", "pods", True),
     ("v1", "ServiceAccount"): ("/api/v1", "serviceaccounts", True),
     ("v1", "Service"): ("/api/v1", "services", True),
     ("v1", "Event"): ("/api/v1", "events", True),
@@ -112,10 +114,13 @@ def is_subset(want: Any, have: Any) -> bool:
     """Whether ``have`` already says everything ``want`` says.
 
     Dicts: every key of ``want`` present with a matching value (extra keys in ``have`` are
-    server defaults and do not count). Lists: same length, matching element by element.
+    server defaults and do not count); an empty list or dict in ``want`` also matches an
+    absent key, since the server omits empty fields (``initContainers: []`` reads back as
+    nothing). Lists: same length, matching element by element.
     """
     if isinstance(want, Mapping):
-        return isinstance(have, Mapping) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+        return isinstance(have, Mapping) and all(
+            is_subset(v, have[k]) if k in have else v in ([], {}) for k, v in want.items())
     if isinstance(want, list):
         return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
     return _same_scalar(want, have)

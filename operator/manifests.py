@@ -20,10 +20,13 @@ Children and their owners:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
+import json
 import re
 from typing import Any, Mapping
 
+from zerolayer import models as model_layout
 from zerolayer.operator.config import OperatorConfig
 
 GROUP = "zerolayer.io"
@@ -44,7 +47,10 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "zerolayer-operator", "app.kuberne
 OWNER_NODE_LABEL = "zerolayer.io/inference-node"  # on children: which InferenceNode (label-safe)
 OWNER_TENANT_LABEL = "zerolayer.io/tenant-quota"
 OWNER_NAME_ANNOTATION = "zerolayer.io/owner"  # the owner's exact name (labels may be hashed)
+# On the runtime pod template: hash of the spec the runtime's processes read once at start.
+CONFIG_HASH_ANNOTATION = "zerolayer.io/runtime-config-hash"
 
+TLS_MOUNT = "/etc/zerolayer/tls"  # the tlsSecretName Secret (tls.crt, tls.key) in the server container
 SERVING_PORT_NAME = "serving"  # containerPort name; policies use it so per-node ports need no lookup
 RUNTIME_UID = 65532
 
@@ -184,6 +190,196 @@ def _host_path(name: str, path: str, kind: str) -> dict:
     return {"name": name, "hostPath": {"path": path, "type": kind}}
 
 
+# --------------------------------------------------------------------------- rolling on config change
+# Spec fields the running processes re-read without a restart, so editing them must not roll
+# the pod: the scheduler's marks (NodeSpecSync), the gossip settings and utilisation threshold
+# (read from every status-patch response), defragd's policy (read before each scan) and the
+# electricity price (energy meter). gpuType only labels the Node. Everything else in the spec
+# (models, engine, port, TLS, drain, limits, sampling period, any field added later) rolls it.
+LIVE_SPEC_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("scheduler", "memoryThreshold"), ("scheduler", "normalThreshold"), ("scheduler", "resumeThreshold"),
+    ("scheduler", "utilizationThreshold"), ("scheduler", "maxPreemptionsPerTick"),
+    ("gossip",), ("defrag",), ("audit", "electricityPricePerKWh"), ("gpuType",),
+)
+
+
+def runtime_config_hash(spec: Mapping[str, Any]) -> str:
+    """Hash of what the runtime pod reads once at start from the InferenceNode spec.
+
+    Put on the pod template (:data:`CONFIG_HASH_ANNOTATION`), it makes a change of models or
+    engine settings a template change, which the DaemonSet rolls out (old pod first, which
+    drains on SIGTERM). Fields in :data:`LIVE_SPEC_FIELDS` are left out. Legacy string
+    sources hash like their typed form, so migrating an object does not roll its pod.
+    """
+    rest = copy.deepcopy(dict(spec))
+    rest["models"] = [{**m, "source": model_layout.normalise_source(m.get("source"))}
+                      for m in rest.get("models") or () if isinstance(m, Mapping)]
+    for path in LIVE_SPEC_FIELDS:
+        parent: Any = rest
+        for key in path[:-1]:
+            parent = parent.get(key) if isinstance(parent, Mapping) else None
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- model storage
+MODEL_CACHE_VOLUME = "model-cache"
+HF_TOKEN_MOUNT = "/etc/zerolayer/hf-token"
+FETCH_CONTAINER_PREFIX = "fetch-model-"
+
+
+@dataclasses.dataclass
+class ModelStorage:
+    """What the pod needs so the server finds every model at its container path
+    (:func:`zerolayer.models.container_path`)."""
+
+    volumes: list[dict] = dataclasses.field(default_factory=list)
+    server_mounts: list[dict] = dataclasses.field(default_factory=list)
+    init_containers: list[dict] = dataclasses.field(default_factory=list)
+
+
+def _fetch_container(index: int, hf: Mapping[str, Any], image: str, pull: str) -> tuple[dict, list[dict]]:
+    """The init container that downloads one huggingFace source into the node cache, and its token volume."""
+    args = ["fetch-model", f"--repo={hf['repo']}",
+            f"--revision={hf.get('revision') or model_layout.DEFAULT_REVISION}",
+            f"--cache-dir={model_layout.CACHE_HOST_DIR}", "--termination-log=/dev/termination-log"]
+    if hf.get("endpoint"):
+        args.append(f"--endpoint={hf['endpoint']}")
+    mounts = [{"name": MODEL_CACHE_VOLUME, "mountPath": model_layout.CACHE_HOST_DIR},
+              {"name": "tmp", "mountPath": "/tmp"}]
+    volumes = []
+    token = hf.get("tokenSecretRef") or {}
+    if token.get("name"):
+        volume = f"hf-token-{index}"
+        volumes.append({"name": volume, "secret": {
+            "secretName": token["name"], "defaultMode": 0o400,
+            "items": [{"key": token.get("key") or model_layout.DEFAULT_TOKEN_KEY, "path": "token"}]}})
+        mounts.append({"name": volume, "mountPath": HF_TOKEN_MOUNT, "readOnly": True})
+        args.append(f"--token-file={HF_TOKEN_MOUNT}/token")
+    container = {
+        "name": f"{FETCH_CONTAINER_PREFIX}{index}",
+        "image": image,
+        "imagePullPolicy": pull,
+        "args": args,
+        # huggingface_hub keeps its own state under HF_HOME; the root filesystem is read-only.
+        "env": [{"name": "HF_HOME", "value": "/tmp/hf-home"}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}},
+        # The one-line reason the fetcher writes shows in `kubectl describe pod`; a crash
+        # before it could write falls back to the log's tail.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        # Root only to write into the node cache, which the kubelet creates root-owned
+        # (DirectoryOrCreate); no capabilities, so it cannot touch files it does not own.
+        # The fetcher makes what it writes world-readable for the non-root server.
+        "securityContext": {
+            "runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0, "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": mounts,
+    }
+    return container, volumes
+
+
+def build_model_storage(spec: Mapping[str, Any], image: str, pull: str) -> ModelStorage:
+    """Volumes, server mounts and download containers for ``spec.models``.
+
+    Each model's volume is ``model-<index>`` (hostPath ``Directory``, or the PVC read-only);
+    huggingFace models share the node cache volume and mount their own cache entry via
+    ``subPath``. Every server mount is read-only. ``path`` sources need nothing.
+    """
+    storage = ModelStorage()
+    for index, model in enumerate(spec.get("models") or ()):
+        source = model_layout.normalise_source(model.get("source"))
+        kind = model_layout.source_kind(source)
+        if kind == "path":
+            continue
+        target = model_layout.container_path(model)
+        volume = f"model-{index}"
+        if kind == "hostPath":
+            storage.volumes.append(_host_path(volume, source["hostPath"]["path"], "Directory"))
+            storage.server_mounts.append({"name": volume, "mountPath": target, "readOnly": True})
+        elif kind == "pvc":
+            pvc = source["pvc"]
+            storage.volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": pvc["claimName"],
+                                                                                "readOnly": True}})
+            mount = {"name": volume, "mountPath": target, "readOnly": True}
+            if pvc.get("subPath"):
+                mount["subPath"] = pvc["subPath"]
+            storage.server_mounts.append(mount)
+        else:
+            hf = source["huggingFace"]
+            if not any(v["name"] == MODEL_CACHE_VOLUME for v in storage.volumes):
+                storage.volumes.append(_host_path(MODEL_CACHE_VOLUME, model_layout.CACHE_HOST_DIR,
+                                                  "DirectoryOrCreate"))
+            container, token_volumes = _fetch_container(index, hf, image, pull)
+            storage.init_containers.append(container)
+            storage.volumes += token_volumes
+            storage.server_mounts.append({
+                "name": MODEL_CACHE_VOLUME, "mountPath": target, "readOnly": True,
+                "subPath": model_layout.cache_entry(hf["repo"], hf.get("revision"))})
+    return storage
+
+
+def _first_line(text: str | None, limit: int = 512) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return (lines[-1] if lines else "")[:limit]  # the fetcher's reason is its last line
+
+
+def fetch_progress(pod: Mapping[str, Any], fetches: set[str]) -> tuple[str, str, str] | None:
+    """(status, reason, message) of a ModelsReady condition from one runtime pod's
+    download containers (names in ``fetches``), or None when every download completed.
+
+    A download container that exited non-zero (now, or before its current restart) is a
+    failure, reported with the one-line reason from its termination message.
+    """
+    pod_name = pod.get("metadata", {}).get("name", "?")
+    statuses = {s.get("name"): s for s in (pod.get("status") or {}).get("initContainerStatuses") or ()}
+    pending = []
+    for name in sorted(fetches):
+        status = statuses.get(name) or {}
+        state, last = status.get("state") or {}, status.get("lastState") or {}
+        for terminated in (state.get("terminated"), last.get("terminated")):
+            if terminated and terminated.get("exitCode", 0) != 0:
+                why = _first_line(terminated.get("message")) or terminated.get("reason") or "no reason recorded"
+                return ("False", "ModelDownloadFailed",
+                        f"{name} in pod {pod_name} failed (exit {terminated.get('exitCode')}): {why}")
+        if (state.get("terminated") or {}).get("exitCode") == 0:
+            continue
+        if state.get("running"):
+            return ("Unknown", "ModelDownloading", f"{name} in pod {pod_name} is downloading")
+        pending.append(name)
+    if pending:
+        return ("Unknown", "ModelDownloadPending", f"{', '.join(pending)} in pod {pod_name} not started yet")
+    return None
+
+
+def model_claims(spec: Mapping[str, Any]) -> list[str]:
+    """PersistentVolumeClaims the models need, in spec order without repeats."""
+    claims: list[str] = []
+    for model in spec.get("models") or ():
+        source = model_layout.normalise_source(model.get("source"))
+        claim = (source.get("pvc") or {}).get("claimName")
+        if claim and claim not in claims:
+            claims.append(claim)
+    return claims
+
+
+def model_token_secrets(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(Secret name, key) of every huggingFace token the models need, without repeats."""
+    refs: list[tuple[str, str]] = []
+    for model in spec.get("models") or ():
+        source = model_layout.normalise_source(model.get("source"))
+        ref = (source.get("huggingFace") or {}).get("tokenSecretRef") or {}
+        if ref.get("name"):
+            pair = (ref["name"], ref.get("key") or model_layout.DEFAULT_TOKEN_KEY)
+            if pair not in refs:
+                refs.append(pair)
+    return refs
+
+
 def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
     """The runtime workload of one InferenceNode: a DaemonSet that lands on exactly its node.
 
@@ -217,13 +413,16 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
             "failureThreshold": failures,
         }
 
+    storage = build_model_storage(spec, image, pull)
     server_mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "run", "mountPath": "/run/zerolayer"}]
+    server_mounts += storage.server_mounts
     volumes: list[dict] = [
         {"name": "tmp", "emptyDir": {}},
         {"name": "run", "emptyDir": {}},
-    ]
+    ] + storage.volumes
     if tls:
-        server_mounts.append({"name": "tls", "mountPath": "/etc/zerolayer/tls", "readOnly": True})
+        # The runtime reads tls.crt and tls.key from here (TLS_DIR in runtime/incluster.py).
+        server_mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": tls}})
 
     containers = [
@@ -233,7 +432,8 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
             "imagePullPolicy": pull,
             "args": ["runtime", f"--node-name={name}", f"--port={port}", f"--audit-spool={AUDIT_SPOOL}"]
             + (["--audit-journal"] if audit.get("mode") == "inprocess" else []),
-            "env": env,
+            # The server only reads models from its mounts: never reach out to a hub.
+            "env": env + [{"name": "HF_HUB_OFFLINE", "value": "1"}],
             "ports": [{"name": SERVING_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
             # Model loading can take minutes; the startup probe holds liveness off until then.
             "startupProbe": probe("/healthz", 10, 60),
@@ -325,7 +525,8 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
             "template": {
                 "metadata": {
                     "labels": {**MANAGED_BY, **selector},
-                    "annotations": {OWNER_NAME_ANNOTATION: f"InferenceNode/{name}"},
+                    "annotations": {OWNER_NAME_ANNOTATION: f"InferenceNode/{name}",
+                                    CONFIG_HASH_ANNOTATION: runtime_config_hash(spec)},
                 },
                 "spec": {
                     "serviceAccountName": child,
@@ -347,6 +548,7 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
                     },
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                     "securityContext": {"fsGroup": RUNTIME_UID},
+                    "initContainers": storage.init_containers,
                     "containers": containers,
                     "volumes": volumes,
                 },

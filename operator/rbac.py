@@ -44,4 +44,8 @@ RUNTIME_NAMESPACE_RULES: list[dict] = [
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": ["cilium.io"], "resources": ["ciliumnetworkpolicies"], "verbs": ["get", "create", "patch", "delete"]},
+    # Does the claim a model source names exist (the runtime pod is held back until it does).
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
+    # A failed model download shows only in the runtime pod's init-container status.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
 ]

@@ -216,28 +216,92 @@ class Reconciler:
             m.build_clusterrolebinding(body, self.config),
             m.build_headless_service(body, self.config),
             m.build_runtime_networkpolicy(body, self.config),
-            m.build_daemonset(body, self.config),
         ]
-        objects = await self._ensure_all(body, children, outcome)
-
-        runtime_ready = self._runtime_condition(objects["DaemonSet"], node_name)
-        gossip = self._gossip_condition(body)
         labelled = f"node {node_name} carries " + ", ".join(f"{k}={v}" for k, v in sorted(wanted.items()))
-        parts = [cond.condition("NodeFound", True, "NodeExists", f"Kubernetes Node {node_name} exists"),
-                 cond.condition("NodeLabelled", True, "Labelled", labelled), runtime_ready, gossip]
+        node_parts = [cond.condition("NodeFound", True, "NodeExists", f"Kubernetes Node {node_name} exists"),
+                      cond.condition("NodeLabelled", True, "Labelled", labelled)]
+        missing = await self._missing_model_storage(spec)
+        if missing:
+            # Hold the runtime pod back: a pod whose claim or token Secret is missing would only
+            # sit in Pending/ContainerCreating. An existing DaemonSet keeps its previous spec, so
+            # the pod that serves now keeps serving until the storage exists.
+            await self._ensure_all(body, children, outcome)
+            models = cond.condition("ModelsReady", False, *missing)
+            new = await self._conditions_status(body, INODE, node_parts + [
+                models, cond.condition("Ready", False, *missing)], "Pending")
+            await self._note_models(body, outcome, new)
+            await self._note_transition(body, outcome, new, "Pending")
+            raise WaitingFor(missing[1], delay=min(30.0, self.config.resync_seconds))
+
+        objects = await self._ensure_all(body, children + [m.build_daemonset(body, self.config)], outcome)
+        runtime_ready = self._runtime_condition(objects["DaemonSet"], node_name)
+        models = await self._models_condition(spec, name, runtime_ready)
+        gossip = self._gossip_condition(body)
+        parts = node_parts + [models, runtime_ready, gossip]
         not_ready = [c for c in parts if c["status"] != cond.TRUE]
         if not_ready:
-            first = not_ready[0]
+            # A failure explains more than a state not known yet.
+            first = next((c for c in not_ready if c["status"] == cond.FALSE), not_ready[0])
             ready = cond.condition("Ready", False, first["reason"], first["message"])
-            phase = "Degraded" if gossip["status"] == cond.FALSE else "Progressing"
+            broken = gossip["status"] == cond.FALSE or models["status"] == cond.FALSE
+            phase = "Degraded" if broken else "Progressing"
         else:
             ready = cond.condition("Ready", True, "RuntimeServing",
                                    f"runtime is ready on node {node_name} and publishing its GPU map")
             phase = "Ready"
         new = await self._conditions_status(body, INODE, parts + [ready], phase)
+        await self._note_models(body, outcome, new)
         await self._note_transition(body, outcome, new, phase)
         outcome.ready = not not_ready
+        if models["status"] != cond.TRUE:
+            # Neither a download's progress nor its failure changes the DaemonSet's status (which
+            # is what triggers reconciles): look at the pod again soon.
+            raise WaitingFor(models["message"], delay=min(15.0, self.config.resync_seconds))
         return outcome
+
+    async def _missing_model_storage(self, spec: Mapping[str, Any]) -> tuple[str, str] | None:
+        """(reason, message) for the first PersistentVolumeClaim or token Secret the models
+        name that does not exist in the runtime namespace, else None."""
+        ns = self.config.runtime_namespace
+        for claim in m.model_claims(spec):
+            if await self.kube.get("v1", "PersistentVolumeClaim", claim, ns) is None:
+                return ("PVCNotFound", f"PersistentVolumeClaim {ns}/{claim} named by a model source does not "
+                                       "exist; the runtime pod is held back until it does")
+        for secret, key in m.model_token_secrets(spec):
+            check = await self.kube.check_secret(ns, secret, key)
+            if not check.found:
+                return ("TokenSecretNotFound", f"Secret {ns}/{secret} named by a huggingFace tokenSecretRef does "
+                                               "not exist; the runtime pod is held back until it does")
+            if not check.has_key:
+                return ("TokenSecretKeyMissing", f"Secret {ns}/{secret} has no entry {key!r} (huggingFace "
+                                                 "tokenSecretRef); the runtime pod is held back until it does")
+        return None
+
+    async def _models_condition(self, spec: Mapping[str, Any], name: str, runtime_ready: Mapping[str, Any]) -> dict:
+        """ModelsReady: mounted, still downloading, or a download that failed (from the pod's
+        init-container statuses, read only while the runtime is not ready and a model is downloaded)."""
+        fetches = {c["name"] for c in m.build_model_storage(spec, "-", "-").init_containers}
+        if fetches and runtime_ready["status"] != cond.TRUE:
+            selector = ",".join(f"{k}={v}" for k, v in sorted(m.runtime_selector(name).items()))
+            pods = await self.kube.list("v1", "Pod", self.config.runtime_namespace, label_selector=selector)
+            if not pods:
+                return cond.condition("ModelsReady", cond.UNKNOWN, "ModelDownloadPending",
+                                      "no runtime pod exists yet to download the models")
+            for pod in pods:
+                found = m.fetch_progress(pod, fetches)
+                if found is not None:
+                    return cond.condition("ModelsReady", *found)
+        count = len(spec.get("models") or ())
+        return cond.condition("ModelsReady", True, "ModelsAvailable",
+                              f"{count} model source(s) mounted" + (", downloads complete" if fetches else ""))
+
+    async def _note_models(self, body: Mapping[str, Any], outcome: Outcome, new: list[dict]) -> None:
+        """One warning event when ModelsReady turns False or its reason changes, saying why."""
+        old = cond.find((body.get("status") or {}).get("conditions"), "ModelsReady")
+        now = cond.find(new, "ModelsReady")
+        if now and now["status"] == cond.FALSE and (old is None or (old.get("status"), old.get("reason"))
+                                                     != (now["status"], now["reason"])):
+            await self._act(body, outcome, now["reason"], now["message"], warning=True)
 
     @staticmethod
     def _runtime_condition(daemonset: Mapping[str, Any], node_name: str) -> dict:

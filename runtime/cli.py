@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--tenant-sync-seconds", type=float, default=10.0,
                         help="how often TenantQuotas and Secrets are re-read in cluster (default 10)")
     parser.add_argument("--port", type=int, default=None, help="override listen.port")
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS (ALPN h2, http/1.1) with this certificate chain; "
+                                                          "overrides tls.cert (needs --tls-key)")
+    parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert; overrides tls.key")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
     from zerolayer.runtime.gossip.hook import add_gossip_arguments
 
@@ -37,6 +40,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
     add_audit_arguments(parser)  # --audit-spool, --audit-journal: token metering (docs/audit.md)
     parser.set_defaults(handler=run)
+
+
+def with_tls_flags(config, cert: str | None, key: str | None):  # type: ignore[no-untyped-def]
+    """``config`` with ``--tls-cert``/``--tls-key`` laid over its ``tls`` section (both or neither)."""
+    from zerolayer.runtime.errors import ConfigError
+
+    if bool(cert) != bool(key):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if not cert:
+        return config
+    import dataclasses
+
+    return dataclasses.replace(config, tls_cert=cert, tls_key=key)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             config = load_config(args.config)
         else:
             raise RuntimeServerError("give --config FILE, or --in-cluster / --node-name NODE")
+        config = with_tls_flags(config, args.tls_cert, args.tls_key)
         server = build_server(config, port=args.port)
     except RuntimeServerError as exc:
         print(f"zerolayer runtime: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ import hashlib
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
+from zerolayer import models as model_layout
 from zerolayer.contract import Priority
 from zerolayer.runtime.errors import ConfigError, RuntimeServerError
 from zerolayer.runtime.scheduler.api import TenantPolicy
@@ -27,6 +28,8 @@ GROUP, VERSION = "zerolayer.io", "v1alpha1"
 DEFAULT_SECRET_KEY = "api-keys"
 DEFAULT_PRIORITIES = ("normal", "low")  # the CRD's default
 DEFAULT_MAX_STREAMS = 64
+# Where the operator mounts the tlsSecretName Secret (operator/manifests.py TLS_MOUNT).
+TLS_DIR = "/etc/zerolayer/tls"
 
 
 class ClusterReadError(RuntimeServerError):
@@ -37,8 +40,11 @@ class ClusterReadError(RuntimeServerError):
 def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The standalone-config mapping for this node, from its InferenceNode (``base`` fills the rest).
 
-    The engine serves one model: the one marked ``default``, else the first. The scheduler's
-    thresholds map onto its shedding marks; ``sampleIntervalMs`` onto the telemetry period.
+    The engine serves one model: the one marked ``default``, else the first, loaded from the
+    path where the operator mounts its source (:func:`zerolayer.models.container_path`). The
+    scheduler's thresholds map onto its shedding marks; ``sampleIntervalMs`` onto the telemetry
+    period. ``tlsSecretName`` turns on TLS with the certificate the operator mounts at
+    :data:`TLS_DIR` (the probes then use HTTPS).
     """
     spec = inode.get("spec") or {}
     config: dict[str, Any] = {k: v for k, v in (base or {}).items()}
@@ -51,7 +57,11 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     if kind == "synthetic":
         engine: dict[str, Any] = {"kind": "synthetic", "models": [m["name"] for m in models]}
     else:
-        engine = {"kind": "vllm", "model_path": model["source"], "served_name": model["name"]}
+        try:
+            path = model_layout.container_path(model)
+        except model_layout.ModelSourceError as exc:
+            raise ConfigError(f"InferenceNode model {model.get('name')!r}: {exc}") from exc
+        engine = {"kind": "vllm", "model_path": path, "served_name": model["name"]}
         if model.get("maxModelLen"):
             engine["max_model_len"] = int(model["maxModelLen"])
         if runtime.get("kvCacheBytes"):
@@ -63,6 +73,8 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     listen.setdefault("host", "0.0.0.0")  # a pod serves on its own IP
     listen["port"] = int(runtime.get("port", 8443))
     config["listen"] = listen
+    if runtime.get("tlsSecretName"):
+        config["tls"] = {"cert": f"{TLS_DIR}/tls.crt", "key": f"{TLS_DIR}/tls.key"}
     scheduler = spec.get("scheduler") or {}
     marks = dict(config.get("scheduler") or {})
     for ours, theirs in (("low_shed_at", "memoryThreshold"), ("normal_shed_at", "normalThreshold"),
@@ -268,7 +280,7 @@ class TenantSync(_Periodic):
 
 # What a running runtime can take from an edited InferenceNode without a restart, and what not.
 LIVE_KEYS = ("scheduler",)
-RESTART_KEYS = ("engine", "listen", "telemetry", "limits")
+RESTART_KEYS = ("engine", "listen", "tls", "telemetry", "limits")
 
 
 class NodeSpecSync(_Periodic):

@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "zerolayer.cluster.cli",
     "zerolayer.operator.cli",
     "zerolayer.runtime.cli",
+    "zerolayer.runtime.fetch_model",
     "zerolayer.map_cli",
     "zerolayer.runtime.defrag.cli",
     "zerolayer.bpf.cli",

@@ -28,7 +28,7 @@ def test_paths():
     with pytest.raises(KubeError):
         kube.path_of("v1", "Secret", None, "s")
     with pytest.raises(KubeError):
-        kube.path_of("v1", "Pod", "ns", "p")
+        kube.path_of("v1", "ConfigMap", "ns", "c")
     assert kube.resource_of("/api/v1/namespaces/a/secrets/s") == "secrets"
 
 

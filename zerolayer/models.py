@@ -1,0 +1,83 @@
+"""Where a model's weights live: the layout the operator mounts and the runtime reads.
+
+Shared by both sides (the operator never imports the runtime, nor the runtime the operator),
+so one pure module states the contract:
+
+- Every model whose ``source`` is ``hostPath``, ``pvc`` or ``huggingFace`` is mounted
+  read-only at :func:`container_path` = ``/models/<dir>``, where ``<dir>`` is the model's name
+  made safe for a path (:func:`model_dir`). A ``path`` source names a directory already
+  inside the container image and is used as it is.
+- ``huggingFace`` sources are downloaded by an init container into the node-local cache
+  :data:`CACHE_HOST_DIR` (a hostPath shared by every runtime pod on the node, kept across
+  restarts); one complete snapshot per repository and revision lives at
+  ``<cache>/<cache_entry(repo, revision)>``. The server mounts exactly that entry.
+
+A ``source`` written as a bare string (the form before typed sources) means ``{path: ...}``:
+objects stored under the older CRD keep working (see docs/crds.md, "Migrating").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Mapping
+
+MODELS_ROOT = "/models"
+CACHE_HOST_DIR = "/var/lib/zerolayer/models"  # on the node; also where the fetcher sees it
+SOURCE_KINDS = ("path", "hostPath", "pvc", "huggingFace")
+DEFAULT_REVISION = "main"
+DEFAULT_TOKEN_KEY = "token"
+
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class ModelSourceError(ValueError):
+    """A model source that names no kind, or more than one."""
+
+
+def safe_component(value: str) -> str:
+    """``value`` as one path component: kept when already safe (letters, digits, ``._-``, at
+    most 63 characters), else cleaned and suffixed with a hash of the original, so two
+    different values never share a directory."""
+    if _SAFE.match(value) and ".." not in value:
+        return value
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", value).replace("..", "-").strip("-.")[:54] or "x"
+    return f"{cleaned}-{hashlib.sha256(value.encode()).hexdigest()[:8]}"
+
+
+def model_dir(name: str) -> str:
+    """The directory name of model ``name`` under :data:`MODELS_ROOT`."""
+    return safe_component(name)
+
+
+def normalise_source(source: Any) -> dict[str, Any]:
+    """The typed source; a bare string is the legacy shorthand for ``{"path": source}``."""
+    if isinstance(source, str):
+        return {"path": source}
+    if isinstance(source, Mapping):
+        return dict(source)
+    raise ModelSourceError(f"model source must be an object (or a path string), got {type(source).__name__}")
+
+
+def source_kind(source: Any) -> str:
+    """Which of :data:`SOURCE_KINDS` ``source`` sets; exactly one must be set."""
+    typed = normalise_source(source)
+    kinds = [k for k in SOURCE_KINDS if typed.get(k) not in (None, "", {})]
+    if len(kinds) != 1:
+        raise ModelSourceError(f"set exactly one of {', '.join(SOURCE_KINDS)} in a model source, got "
+                               f"{', '.join(kinds) or 'none'}")
+    return kinds[0]
+
+
+def container_path(model: Mapping[str, Any]) -> str:
+    """Where the server container finds the weights of ``model`` (an InferenceNode ``models[]`` entry)."""
+    source = normalise_source(model.get("source"))
+    if source_kind(source) == "path":
+        return str(source["path"])
+    return f"{MODELS_ROOT}/{model_dir(str(model['name']))}"
+
+
+def cache_entry(repo: str, revision: str | None) -> str:
+    """Relative path of one repository revision's snapshot inside the node cache:
+    ``<org>--<name>/<revision>`` (the hub's own ``--`` separator), each part made safe."""
+    return f"{safe_component(repo.replace('/', '--'))}/{safe_component(revision or DEFAULT_REVISION)}"
