@@ -164,7 +164,7 @@ class Application:
             stream = self._admit_headers(key, route, tenant, head)
         except RequestRefused as refused:
             return self._reject(api, refused, route)
-        return Accept(self.limits.max_body_bytes, _Route(route, api, stream))
+        return Accept(self.limits.max_body_bytes, _Route(route, api, stream), owner=tenant.name)
 
     def _admit_headers(self, key: str, route: str, tenant: Tenant, head: RequestHead) -> ActiveStream:
         now = self.clock()

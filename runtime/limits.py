@@ -41,6 +41,18 @@ class Limits:
     ping_interval_s: float = 30.0
     idle_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
+    # Slow peers (docs/security.md, finding 2): a request's header block must complete within
+    # header_timeout_s of its first byte, its body within body_timeout_s of its HEADERS; a response
+    # may make no write progress for write_timeout_s (a peer that stops reading, finding 17).
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    write_timeout_s: float = 60.0
+    # Connections held at once, in all and from one peer address.
+    max_connections: int = 10000
+    max_connections_per_peer: int = 512
+    # Request bodies buffered at once (accepted, not yet complete), in the process and per tenant.
+    max_buffered_body_bytes: int = 512 * 1024 * 1024
+    max_tenant_buffered_body_bytes: int = 64 * 1024 * 1024
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "Limits":
@@ -84,3 +96,45 @@ class TokenBucket:
             return False
         self.tokens -= 1
         return True
+
+
+class BodyBudget:
+    """Bytes of request bodies buffered at once, process-wide and per owner (tenant).
+
+    Shared by every connection core of a process. ``take`` either books all ``n`` bytes or
+    none and names the limit that refused them; ``give`` returns bytes when a body leaves the
+    buffer (handed to the application, refused, reset, or its connection ended).
+    """
+
+    __slots__ = ("total_cap", "owner_cap", "total", "by_owner")
+
+    def __init__(self, total_cap: int, owner_cap: int) -> None:
+        self.total_cap = total_cap
+        self.owner_cap = owner_cap
+        self.total = 0
+        self.by_owner: dict[str | None, int] = {}
+
+    @classmethod
+    def from_limits(cls, limits: Limits) -> "BodyBudget":
+        return cls(limits.max_buffered_body_bytes, limits.max_tenant_buffered_body_bytes)
+
+    def take(self, owner: str | None, n: int) -> str | None:
+        """Book ``n`` bytes for ``owner``; None on success, else the name of the limit hit."""
+        if self.total + n > self.total_cap:
+            return "max_buffered_body_bytes"
+        held = self.by_owner.get(owner, 0)
+        if held + n > self.owner_cap:
+            return "max_tenant_buffered_body_bytes"
+        self.total += n
+        self.by_owner[owner] = held + n
+        return None
+
+    def give(self, owner: str | None, n: int) -> None:
+        if n <= 0:
+            return
+        self.total -= n
+        left = self.by_owner.get(owner, 0) - n
+        if left > 0:
+            self.by_owner[owner] = left
+        else:
+            self.by_owner.pop(owner, None)

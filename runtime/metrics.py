@@ -18,6 +18,9 @@ from zerolayer.runtime.engine.base import EngineStats
 from zerolayer.runtime.limits import Limits
 
 
+SLOW_PEER_TIMEOUTS = ("header_timeout_s", "body_timeout_s", "write_timeout_s")
+
+
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats], model: Callable[[], str]) -> None:
         self._stats = stats
@@ -62,7 +65,7 @@ class RuntimeMetrics:
                                    registry=r)
         # Every limit appears at 0 from the start, so alerts can be written before the first hit.
         for name in Limits.__dataclass_fields__:
-            if name.startswith(("max_", "rapid_", "empty_", "window_")):
+            if name.startswith(("max_", "rapid_", "empty_", "window_")) or name in SLOW_PEER_TIMEOUTS:
                 self.limit_hits.labels(name)
 
     def watch_engine(self, stats: Callable[[], EngineStats], model: Callable[[], str]) -> None:

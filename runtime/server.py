@@ -23,13 +23,13 @@ from zerolayer.runtime.app import Application
 from zerolayer.runtime.engine.base import Engine
 from zerolayer.runtime.errors import ConfigError
 from zerolayer.runtime.gpu.api import GpuSource, GpuSourceError
-from zerolayer.runtime.limits import Limits
+from zerolayer.runtime.limits import BodyBudget, Limits
 from zerolayer.runtime.metrics import RuntimeMetrics
 from zerolayer.runtime.scheduler.api import Preemption, Pressure, Scheduler
 from zerolayer.runtime.scheduler.config import SchedulerError
 from zerolayer.runtime.scheduler.pressure import pressure_from_readings
 from zerolayer.runtime.tenants import Tenant, TenantDirectory
-from zerolayer.runtime.transport import Connection
+from zerolayer.runtime.transport import Connection, PeerLedger
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class RuntimeServer:
             render_extra_metrics=(lambda: self.metrics.render_registry(extra)) if extra is not None else lambda: b"",
         )
         self.connections: set[Connection] = set()
+        self.peers = PeerLedger(self.limits)  # connection caps (transport)
+        self.body_budget = BodyBudget.from_limits(self.limits)  # request bodies buffered, all connections
         self.draining = False
         self.last_pressure: Pressure | None = None
         self._servers: list[asyncio.base_events.Server] = []

@@ -3,20 +3,28 @@
 One :class:`Connection` per TCP connection. It picks the core — HTTP/2 when TLS ALPN
 chose ``h2`` or the first bytes are the HTTP/2 preface (h2c prior knowledge), else
 HTTP/1.1 — feeds it bytes, writes what it produces, runs a task per ready request and
-keeps the timers: PING when idle, idle timeout, and the drain deadline. Backpressure:
-a stream's producer waits while its queue is above the low-water mark or while the
-socket's write buffer is over asyncio's high-water mark.
+keeps the timers: PING when idle, idle timeout, the cores' slow-peer timeouts
+(``expire``), and the drain deadline. Backpressure: a stream's producer waits while its
+queue is above the low-water mark or while the socket's write buffer is over asyncio's
+high-water mark, but no longer than ``write_timeout_s`` without progress: then the
+stream is reset (a peer that stops reading must not hold its stream and quota forever).
+
+Connections are capped in all (``max_connections``) and per peer address
+(``max_connections_per_peer``) by the server's :class:`PeerLedger`; one over a cap is
+closed at once, before a byte is read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import re
 from typing import TYPE_CHECKING, Any, Sequence
 
 from zerolayer.contract import H2_CANCEL
+from zerolayer.runtime.limits import Limits
 from zerolayer.runtime.protocol.events import ConnectionEnded, Event, RequestReady, StreamAborted
 from zerolayer.runtime.protocol.h1conn import H1ServerCore
 from zerolayer.runtime.protocol.h2conn import PREFACE, H2ServerCore
@@ -54,6 +62,39 @@ def sniff_protocol(first: bytes) -> str | None:
 
 class StreamGone(ConnectionError):
     """The stream or its connection closed while a response was being written."""
+
+
+class PeerLedger:
+    """Open connections, in all and per peer address, for the caps in :class:`Limits`."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.total = 0
+        self.by_peer: collections.Counter[str] = collections.Counter()
+
+    def admit(self, peer: str) -> str | None:
+        """Count a new connection from ``peer``; None if admitted, else the name of the cap hit."""
+        if self.total >= self.limits.max_connections:
+            return "max_connections"
+        if self.by_peer[peer] >= self.limits.max_connections_per_peer:
+            return "max_connections_per_peer"
+        self.total += 1
+        self.by_peer[peer] += 1
+        return None
+
+    def release(self, peer: str) -> None:
+        self.total -= 1
+        self.by_peer[peer] -= 1
+        if self.by_peer[peer] <= 0:
+            del self.by_peer[peer]
+
+
+def peer_address(transport: asyncio.BaseTransport) -> str:
+    """The peer's address without its port ("" when the socket has none, e.g. a Unix socket)."""
+    name = transport.get_extra_info("peername")
+    if isinstance(name, (tuple, list)) and name:
+        return str(name[0])
+    return str(name or "")
 
 
 class _Channel:
@@ -105,10 +146,20 @@ class Connection(asyncio.Protocol):
         self._writable = asyncio.Event()
         self._timer: asyncio.Task[None] | None = None
         self.closed = False
+        self.peer: str | None = None  # counted in the server's PeerLedger while set
 
     # ------------------------------------------------------------------ asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
+        peer = peer_address(transport)
+        refused = self.server.peers.admit(peer)
+        if refused is not None:
+            # Over a cap: close before reading a byte. Nothing was counted, so nothing to undo.
+            self.server.metrics.limit_hits.labels(refused).inc()
+            self.closed = True
+            transport.close()
+            return
+        self.peer = peer
         self.server.connections.add(self)
         self.server.metrics.connections_active.inc()
         if self.tls:
@@ -148,6 +199,10 @@ class Connection(asyncio.Protocol):
         self._writable.set()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer is None:
+            return  # refused at connection_made: never counted, no core
+        self.server.peers.release(self.peer)
+        self.peer = None
         self.closed = True
         self.server.connections.discard(self)
         self.server.metrics.connections_active.dec()
@@ -169,7 +224,7 @@ class Connection(asyncio.Protocol):
             self.server.metrics.limit_hits.labels(name).inc()
 
         cls = H2ServerCore if version == "2" else H1ServerCore
-        self.core = cls(gate, self.limits, on_limit=on_limit)
+        self.core = cls(gate, self.limits, on_limit=on_limit, budget=self.server.body_budget)
         self.server.metrics.connections.labels("h2" if version == "2" else "http/1.1").inc()
         if self.server.draining:
             self.core.start_drain()
@@ -245,10 +300,29 @@ class Connection(asyncio.Protocol):
         asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     async def wait_writable(self, sid: int) -> None:
+        """Wait until stream ``sid`` may queue more. No progress for ``write_timeout_s`` (the
+        stream's backlog did not shrink and the socket did not drain) resets the stream."""
         core = self.core
+        loop = asyncio.get_running_loop()
+        timeout = self.limits.write_timeout_s
+        deadline = loop.time() + timeout
+        backlog, paused = core.backlog(sid), self._paused
         while not self.closed and core.is_open(sid) and (self._paused or not core.writable(sid)):
             self._writable.clear()
-            await self._writable.wait()
+            left = deadline - loop.time()
+            if left <= 0:
+                self.server.metrics.limit_hits.labels("write_timeout_s").inc()
+                core.reset(sid, H2_CANCEL)
+                self.flush()
+                raise StreamGone(f"stream {self.id}/{sid}: the peer read nothing for {timeout:g} s")
+            try:
+                await asyncio.wait_for(self._writable.wait(), left)
+            except asyncio.TimeoutError:
+                continue
+            now_backlog = core.backlog(sid)
+            if now_backlog < backlog or (paused and not self._paused):
+                deadline = loop.time() + timeout  # the peer took something: progress
+            backlog, paused = now_backlog, self._paused
         if self.closed or not core.is_open(sid):
             raise StreamGone(f"stream {self.id}/{sid} closed while writing")
 
@@ -257,16 +331,23 @@ class Connection(asyncio.Protocol):
         """PING idle connections; close those idle past the timeout."""
         limits = self.limits
         loop = asyncio.get_running_loop()
-        step = min(limits.ping_interval_s, limits.idle_timeout_s) / 2
+        step = min(limits.ping_interval_s, limits.idle_timeout_s, limits.header_timeout_s,
+                   limits.body_timeout_s) / 2
         last_ping = loop.time()
         while not self.closed:
             await asyncio.sleep(step)
             core = self.core
             now = loop.time()
             if core is None:
-                if now - self._opened > limits.idle_timeout_s:
+                # Still sniffing: the first bytes count as a request head for the header timeout.
+                if now - self._opened > min(limits.idle_timeout_s, limits.header_timeout_s):
+                    self.server.metrics.limit_hits.labels("header_timeout_s").inc()
                     self.close()
                 continue
+            self._handle(core.expire())
+            self.flush()
+            if self.closed:
+                return
             if core.open_streams:
                 continue
             idle = now - core.last_activity

@@ -28,6 +28,7 @@ class RequestHead:
 class Accept:
     max_body: int
     context: Any = None  # opaque to the core, handed back in RequestReady
+    owner: str | None = None  # whose body budget the buffered bytes count against (the tenant)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,18 +6,24 @@ first bytes are not the HTTP/2 preface (or ALPN chose ``http/1.1``). Requests on
 connection are sequential; each gets an odd "stream id" so the application can treat
 both protocols alike. The gate runs when the request line and headers are parsed,
 before any body byte is kept.
+
+Slow peers (:meth:`H1ServerCore.expire`, on the transport's timer): a request head not
+complete ``header_timeout_s`` after its first byte, or an accepted body not complete
+``body_timeout_s`` after its head, is answered 408 and the connection closed. Buffered
+body bytes are booked in the process's :class:`~zerolayer.runtime.limits.BodyBudget`.
 """
 
 from __future__ import annotations
 
 import http
+import logging
 import time
 from typing import Callable
 
 import h11
 
 from zerolayer.contract import H2_NO_ERROR
-from zerolayer.runtime.limits import Limits
+from zerolayer.runtime.limits import BodyBudget, Limits
 from zerolayer.runtime.protocol.events import (
     Accept,
     ConnectionEnded,
@@ -28,6 +34,9 @@ from zerolayer.runtime.protocol.events import (
     RequestReady,
     StreamAborted,
 )
+
+log = logging.getLogger(__name__)
+GATE_FAILED = Reject(500, [("content-type", "text/plain")], b"internal error\n")
 
 
 def _reason(status: int) -> bytes:
@@ -48,11 +57,16 @@ class H1ServerCore:
         *,
         on_limit: Callable[[str], None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
+        budget: BodyBudget | None = None,
     ) -> None:
         self.gate = gate
         self.limits = limits or Limits()
         self.on_limit = on_limit
         self.clock = clock
+        self.budget = budget or BodyBudget.from_limits(self.limits)
+        self._owner: str | None = None  # whose budget the body being buffered is booked to
+        self._head_since: float | None = None  # first byte of a request whose head is incomplete
+        self._opened = 0.0  # when the current request's head completed
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_list_size)
         self._out = bytearray()
         self._next_id = 1
@@ -77,6 +91,7 @@ class H1ServerCore:
         out: list[Event] = []
         self._conn.receive_data(data)
         self._drain_events(out)
+        self._track_head()
         return out
 
     def resume(self) -> list[Event]:
@@ -84,7 +99,44 @@ class H1ServerCore:
         out: list[Event] = []
         if not self.ended and self._sid is None:
             self._drain_events(out)
+            self._track_head()
         return out
+
+    def _track_head(self) -> None:
+        """Start the header timeout when bytes of a next request wait without a complete head."""
+        if self._sid is None and not self.ended and self._conn.trailing_data[0]:
+            if self._head_since is None:
+                self._head_since = self.clock()
+        else:
+            self._head_since = None
+
+    def expire(self) -> list[Event]:
+        """Apply the slow-peer timeouts now; returns the events they cause."""
+        out: list[Event] = []
+        if self.ended:
+            return out
+        now = self.clock()
+        if self._head_since is not None and now - self._head_since > self.limits.header_timeout_s:
+            self.on_limit("header_timeout_s")
+            self._timeout_response(b"request head not completed in time\n")
+            self._finish(out, "header timeout")
+        elif (self._sid is not None and self._accepted and not self._request_done
+              and now - self._opened > self.limits.body_timeout_s):
+            self.on_limit("body_timeout_s")
+            out.append(StreamAborted(self._sid, H2_NO_ERROR))
+            self._accepted = False
+            self._release_body()
+            self._send_response(self._sid, 408, [("content-type", "text/plain"), ("connection", "close")],
+                                b"request body not completed in time\n")
+            self._finish(out, "body timeout")
+        return out
+
+    def _timeout_response(self, body: bytes) -> None:
+        """A 408 for a request whose head never completed (h11 cannot frame it as a response to one)."""
+        if self._responding:
+            return
+        self._out += (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+                      b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
     def _drain_events(self, out: list[Event]) -> None:
         while not self.ended:
@@ -105,7 +157,7 @@ class H1ServerCore:
                 self._request_done = True
                 if self._accepted and self._head is not None:
                     out.append(RequestReady(self._head, bytes(self._body), self._context))
-                    self._body = bytearray()
+                    self._release_body()
                 self._maybe_next_cycle()
             elif isinstance(event, h11.ConnectionClosed):
                 if self._sid is not None and self._accepted and not self._response_done:
@@ -114,7 +166,8 @@ class H1ServerCore:
                 return
 
     def _on_request(self, event: h11.Request, out: list[Event]) -> None:
-        self.last_activity = self.clock()
+        self.last_activity = self._opened = self.clock()
+        self._head_since = None
         sid = self._next_id
         self._next_id += 2
         headers: dict[str, str] = {}
@@ -138,7 +191,11 @@ class H1ServerCore:
             self.on_limit("max_header_count")
             verdict: Accept | Reject = Reject(431, [("content-type", "text/plain")], b"too many header fields\n")
         else:
-            verdict = self.gate(head)
+            try:
+                verdict = self.gate(head)
+            except Exception:  # a bug in the gate answers this request, it does not crash the connection
+                log.exception("gate failed on %s %s", head.method, head.path)
+                verdict = GATE_FAILED
         if isinstance(verdict, Reject):
             self._accepted = False
             headers_out = list(verdict.headers)
@@ -150,6 +207,7 @@ class H1ServerCore:
         self._accepted = True
         self._context = verdict.context
         self._max_body = verdict.max_body
+        self._owner = verdict.owner
 
     def _on_data(self, data: bytes, out: list[Event]) -> None:
         if not self._accepted:
@@ -158,14 +216,31 @@ class H1ServerCore:
         if len(self._body) + len(data) > self._max_body:
             self.on_limit("max_body_bytes")
             self._accepted = False
-            self._body = bytearray()
+            self._release_body()
             self.discarded_body_bytes += len(data)
+            out.append(StreamAborted(self._sid or 0, H2_NO_ERROR))
             self._send_response(
                 self._sid or 0, 413, [("content-type", "text/plain"), ("connection", "close")],
                 b"request body too large\n",
             )
             return
+        refused = self.budget.take(self._owner, len(data))
+        if refused is not None:
+            self.on_limit(refused)
+            self._accepted = False
+            self._release_body()
+            self.discarded_body_bytes += len(data)
+            out.append(StreamAborted(self._sid or 0, H2_NO_ERROR))
+            self._send_response(
+                self._sid or 0, 503, [("content-type", "text/plain"), ("retry-after", "1"), ("connection", "close")],
+                b"too many request bodies buffered; retry later\n",
+            )
+            return
         self._body += data
+
+    def _release_body(self) -> None:
+        self.budget.give(self._owner, len(self._body))
+        self._body = bytearray()
 
     # ------------------------------------------------------------------ outbound
     def _send_response(self, sid: int, status: int, headers, body: bytes) -> None:  # type: ignore[no-untyped-def]
@@ -268,4 +343,5 @@ class H1ServerCore:
     def _finish(self, out: list[Event], reason: str) -> None:
         if not self.ended:
             self.ended = True
+            self._release_body()
             out.append(ConnectionEnded(H2_NO_ERROR, reason))

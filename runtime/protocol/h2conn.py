@@ -14,7 +14,14 @@ What this layer adds to h2, which has almost no hardening of its own:
   own producer (``backlog`` / ``writable``);
 * limits from :class:`zerolayer.runtime.limits.Limits`: rapid reset budget, CONTINUATION
   frame count, queued control-frame answers, empty-frame and WINDOW_UPDATE floods,
-  header list size and count, body size; each trip calls ``on_limit(name)``;
+  header list size and count, body size, bytes of bodies buffered at once (a
+  :class:`~zerolayer.runtime.limits.BodyBudget` shared by the process); each trip calls
+  ``on_limit(name)``;
+* slow peers (:meth:`H2ServerCore.expire`, called by the transport's timer): a header block
+  left incomplete past ``header_timeout_s`` ends the connection; a body not complete within
+  ``body_timeout_s`` of its HEADERS is answered 408 and reset; a rejected stream is forgotten
+  (reset) by then too, so an unanswered peer cannot hold streams or the connection open;
+* a gate that raises answers 500 on that stream only;
 * graceful drain: a GOAWAY that leaves h2 able to finish in-flight streams, streams
   opened after it refused with REFUSED_STREAM (never started, safe to retry).
 """
@@ -22,6 +29,7 @@ What this layer adds to h2, which has almost no hardening of its own:
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Callable
 
@@ -41,8 +49,8 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
-from zerolayer.contract import H2_ENHANCE_YOUR_CALM, H2_NO_ERROR, H2_REFUSED_STREAM
-from zerolayer.runtime.limits import Limits, TokenBucket
+from zerolayer.contract import H2_CANCEL, H2_ENHANCE_YOUR_CALM, H2_NO_ERROR, H2_REFUSED_STREAM
+from zerolayer.runtime.limits import BodyBudget, Limits, TokenBucket
 from zerolayer.runtime.protocol.events import (
     Accept,
     ConnectionEnded,
@@ -54,7 +62,9 @@ from zerolayer.runtime.protocol.events import (
     StreamAborted,
 )
 
+log = logging.getLogger(__name__)
 H2_PROTOCOL_ERROR = 0x1
+GATE_FAILED = Reject(500, [("content-type", "text/plain")], b"internal error\n")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
@@ -89,10 +99,14 @@ class _Stream:
     __slots__ = (
         "head", "accepted", "context", "max_body", "body", "remote_ended",
         "out", "out_bytes", "end_pending", "local_ended", "rejected", "discarded",
+        "opened", "owner", "stop_reading",
     )
 
-    def __init__(self, head: RequestHead) -> None:
+    def __init__(self, head: RequestHead, opened: float) -> None:
         self.head = head
+        self.opened = opened  # when its HEADERS completed: the body timeout counts from here
+        self.owner: str | None = None  # whose BodyBudget the buffered body is booked to
+        self.stop_reading = False  # reset (NO_ERROR) once our response has ended
         self.accepted = False
         self.rejected = False
         self.discarded = 0
@@ -122,11 +136,14 @@ class H2ServerCore:
         *,
         on_limit: Callable[[str], None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
+        budget: BodyBudget | None = None,
     ) -> None:
         self.gate = gate
         self.limits = limits or Limits()
         self.on_limit = on_limit
         self.clock = clock
+        self.budget = budget or BodyBudget.from_limits(self.limits)
+        self._block_since: float | None = None  # a header block (HEADERS + CONTINUATIONs) is open
         now = clock()
         self._resets = TokenBucket(self.limits.rapid_reset_burst, self.limits.rapid_reset_per_second, now)
         self._empty = TokenBucket(self.limits.empty_frames_burst, self.limits.empty_frames_per_second, now)
@@ -201,6 +218,11 @@ class H2ServerCore:
             empty = not frame.data and "END_STREAM" not in frame.flags
             if isinstance(frame, (HeadersFrame, ContinuationFrame)):
                 empty = empty and "END_HEADERS" not in frame.flags
+                # The header timeout counts from the first frame of a block to its END_HEADERS.
+                if "END_HEADERS" in frame.flags:
+                    self._block_since = None
+                elif self._block_since is None:
+                    self._block_since = now
             if empty and not self._empty.take(now):
                 raise _Flood("empty_frames_burst", "flood of empty frames")
 
@@ -247,19 +269,24 @@ class H2ServerCore:
             authority=pseudo.get(":authority", headers.get("host", "")),
             end_stream=event.stream_ended is not None,
         )
-        stream = _Stream(head)
+        stream = _Stream(head, self.last_activity)
         self._streams[sid] = stream
         if count > self.limits.max_header_count:
             self.on_limit("max_header_count")
             verdict: Accept | Reject = Reject(431, [("content-type", "text/plain")], b"too many header fields\n")
         else:
-            verdict = self.gate(head)
+            try:
+                verdict = self.gate(head)
+            except Exception:  # a bug in the gate costs this stream, not the connection's others
+                log.exception("gate failed on stream %d", sid)
+                verdict = GATE_FAILED
         if isinstance(verdict, Reject):
             self._reject(stream, verdict)
             return
         stream.accepted = True
         stream.context = verdict.context
         stream.max_body = verdict.max_body
+        stream.owner = verdict.owner
         # A HEADERS frame with END_STREAM also yields h2's StreamEnded: RequestReady comes from there.
 
     def _reject(self, stream: _Stream, verdict: Reject) -> None:
@@ -281,15 +308,21 @@ class H2ServerCore:
                 if stream.discarded > self.limits.max_body_bytes and stream.local_ended:
                     # Still sending a body nobody will read: ask it to stop (RFC 9113 §8.1).
                     self._conn.reset_stream(sid, H2_NO_ERROR)
-                    self._streams.pop(sid, None)
+                    self._forget(sid)
             return
         if len(stream.body) + len(event.data) > stream.max_body:
             self.on_limit("max_body_bytes")
-            stream.accepted = False
-            stream.body = bytearray()
             self.discarded_body_bytes += len(event.data)
-            self._reject(stream, Reject(413, [("content-type", "text/plain")], b"request body too large\n"))
-            out.append(StreamAborted(sid, H2_NO_ERROR))
+            self._refuse_body(stream, Reject(413, [("content-type", "text/plain")], b"request body too large\n"), out)
+            return
+        refused = self.budget.take(stream.owner, len(event.data))
+        if refused is not None:
+            # Too many bodies buffered at once (in the process or for this tenant): this one waits
+            # elsewhere. Answered like a busy node, so the client may retry later.
+            self.on_limit(refused)
+            self.discarded_body_bytes += len(event.data)
+            self._refuse_body(stream, Reject(503, [("content-type", "text/plain"), ("retry-after", "1")],
+                                             b"too many request bodies buffered; retry later\n"), out)
             return
         stream.body += event.data
 
@@ -300,7 +333,7 @@ class H2ServerCore:
         stream.remote_ended = True
         if stream.accepted:
             out.append(RequestReady(stream.head, bytes(stream.body), stream.context))
-            stream.body = bytearray()
+            self._drop_body(stream)
         self._maybe_forget(stream)
 
     def _on_reset(self, event: h2.events.StreamReset, out: list[Event]) -> None:
@@ -308,7 +341,7 @@ class H2ServerCore:
             self.on_limit("rapid_reset_burst")
             self._end(out, H2_ENHANCE_YOUR_CALM, "rapid reset budget exceeded")
             return
-        stream = self._streams.pop(event.stream_id, None)
+        stream = self._forget(event.stream_id)
         if stream is not None and stream.accepted:
             out.append(StreamAborted(event.stream_id, event.error_code or 0))
 
@@ -321,7 +354,7 @@ class H2ServerCore:
         try:
             self._conn.send_headers(sid, block)
         except h2.exceptions.H2Error:
-            self._streams.pop(sid, None)
+            self._forget(sid)
         self._pull()
 
     def send_data(self, sid: int, data: bytes, end: bool = False) -> None:
@@ -340,7 +373,7 @@ class H2ServerCore:
 
     def reset(self, sid: int, error_code: int) -> None:
         """RST_STREAM with ``error_code``; queued output for the stream is dropped."""
-        stream = self._streams.pop(sid, None)
+        stream = self._forget(sid)
         if self.ended or stream is None:
             return
         try:
@@ -362,7 +395,43 @@ class H2ServerCore:
 
     @property
     def open_streams(self) -> int:
-        return len(self._streams)
+        """Streams that still owe work: refused ones whose answer has gone out do not count, so a
+        peer that never ends a refused request cannot keep the connection from going idle."""
+        return sum(1 for s in self._streams.values() if not (s.rejected and s.local_ended))
+
+    def expire(self) -> list[Event]:
+        """Apply the slow-peer timeouts now (the transport calls this on its timer).
+
+        A header block open longer than ``header_timeout_s`` ends the connection (GOAWAY
+        ENHANCE_YOUR_CALM). A stream whose request is not complete ``body_timeout_s`` after its
+        HEADERS is answered 408 and reset if it was accepted (``StreamAborted`` tells the
+        application to release it), and reset if it was refused.
+        """
+        out: list[Event] = []
+        if self.ended:
+            return out
+        now = self.clock()
+        if self._block_since is not None and now - self._block_since > self.limits.header_timeout_s:
+            self.on_limit("header_timeout_s")
+            return self._end(out, H2_ENHANCE_YOUR_CALM, "header block not completed in time")
+        for stream in list(self._streams.values()):
+            if now - stream.opened <= self.limits.body_timeout_s:
+                continue
+            if stream.accepted and not stream.remote_ended:
+                self.on_limit("body_timeout_s")
+                self._refuse_body(stream, Reject(408, [("content-type", "text/plain")],
+                                                 b"request body not completed in time\n"), out)
+            elif stream.rejected:
+                sid = stream.head.stream_id
+                try:
+                    self._conn.reset_stream(sid, H2_NO_ERROR if stream.local_ended else H2_CANCEL)
+                except h2.exceptions.H2Error:
+                    pass  # already closed on h2's side
+                self._forget(sid)
+        self._pull()
+        if self.draining and not self._streams:
+            self._end(out, H2_NO_ERROR, "drained")
+        return out
 
     def ping(self) -> None:
         if not self.ended:
@@ -420,7 +489,7 @@ class H2ServerCore:
             if stream.end_pending and not stream.local_ended:
                 conn.end_stream(sid)
                 stream.local_ended = True
-                if stream.rejected and not stream.remote_ended and self._large_body(stream):
+                if stream.rejected and not stream.remote_ended and (stream.stop_reading or self._large_body(stream)):
                     # RFC 9113 §8.1: a complete early response, then ask the client to stop sending. Only
                     # for large declared bodies: a small rest is cheaper to drop as it comes, and the stream
                     # stays open so h2 still validates what follows (e.g. malformed trailers).
@@ -428,7 +497,7 @@ class H2ServerCore:
                     stream.remote_ended = True
                 self._maybe_forget(stream)
         except (h2.exceptions.StreamClosedError, h2.exceptions.FlowControlError, KeyError):
-            self._streams.pop(sid, None)
+            self._forget(sid)
 
     EARLY_RESET_BODY = 65536
 
@@ -442,9 +511,28 @@ class H2ServerCore:
             if stream.out or stream.end_pending:
                 self._flush(stream)
 
+    def _refuse_body(self, stream: _Stream, verdict: Reject, out: list[Event]) -> None:
+        """Stop buffering an accepted stream's body: answer ``verdict``, then ask the peer to stop
+        sending (RST_STREAM NO_ERROR once the answer is out); the application releases it."""
+        stream.accepted = False
+        stream.stop_reading = True
+        self._drop_body(stream)
+        self._reject(stream, verdict)
+        out.append(StreamAborted(stream.head.stream_id, H2_NO_ERROR))
+
+    def _drop_body(self, stream: _Stream) -> None:
+        self.budget.give(stream.owner, len(stream.body))
+        stream.body = bytearray()
+
+    def _forget(self, sid: int) -> _Stream | None:
+        stream = self._streams.pop(sid, None)
+        if stream is not None:
+            self._drop_body(stream)
+        return stream
+
     def _maybe_forget(self, stream: _Stream) -> None:
         if stream.local_ended and stream.remote_ended:
-            self._streams.pop(stream.head.stream_id, None)
+            self._forget(stream.head.stream_id)
             if self.draining and not self._streams:
                 self._end([], H2_NO_ERROR, "drained")
 
@@ -456,6 +544,7 @@ class H2ServerCore:
                 self._conn.close_connection(error_code=error_code)
             self._pull()
             for sid, stream in list(self._streams.items()):
+                self._drop_body(stream)
                 if stream.accepted:
                     out.append(StreamAborted(sid, error_code))
             self._streams.clear()
