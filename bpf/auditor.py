@@ -63,8 +63,8 @@ class AuditorMetrics:
         self.duplicates = Counter("zerolayer_auditor_duplicate_events", "Replayed events recognised and skipped",
                                   registry=r)
         self.kernel_lost = Gauge("zerolayer_auditor_kernel_lost_events",
-                                 "Events the kernel dropped because the ring buffer was full (all sessions)",
-                                 registry=r)
+                                 "Events lost before the store (all sessions): the kernel ring buffer was full, or "
+                                 "(journal path) torn or corrupt journal records skipped", registry=r)
         self.missing = Gauge("zerolayer_auditor_missing_events",
                              "Sequence gaps: events that never reached the store (all runtimes)", registry=r)
         self.reconciled = Counter("zerolayer_auditor_reconciled_tokens",
@@ -148,10 +148,15 @@ class Auditor:
                     self.sync_mirror()
                     next_mirror = now + s.mirror_interval_s
         finally:
-            self.drain()
-            self.reconcile()
-            if self.mirror is not None:
-                self.sync_mirror()
+            # Each shutdown step on its own: one that fails (a damaged source, a locked store) must neither hide
+            # the error that ended the loop nor skip the others.
+            for step in (self.drain, self.reconcile, self.sync_mirror if self.mirror is not None else None):
+                if step is None:
+                    continue
+                try:
+                    step()
+                except Exception:
+                    log.exception("auditor shutdown: %s failed", step.__name__)
             self.source.close()
 
     def stop(self) -> None:

@@ -45,6 +45,23 @@ def encode_record(runtime_id: int, seq: int, wall_ns: int, tenant: str, model: s
     return _LEN.pack(_LEN.size + len(body)) + body
 
 
+def corrupt_offset(buffer: bytes) -> int | None:
+    """Where the first record of ``buffer`` that can never decode starts (a bad length or the wrong number
+    of strings), or None. A trailing partial record is not corrupt: it may still be completed."""
+    head, size = _LEN.size, _LEN.size + _FIXED.size
+    pos, end = 0, len(buffer)
+    while pos + head <= end:
+        (length,) = _LEN.unpack_from(buffer, pos)
+        if length < size:
+            return pos
+        if pos + length > end:
+            return None
+        if buffer[pos + size:pos + length].count(b"\0") != 2:
+            return pos
+        pos += length
+    return None
+
+
 def decode_records(buffer: bytes, pid: int = 0, *, wall_ns: int | None = None, cgroup_id: int = 0,
                    source: str = "journal") -> tuple[list[TokenEvent], int]:
     """Decode complete records from ``buffer``; returns the events and the bytes consumed.

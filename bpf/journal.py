@@ -1,33 +1,60 @@
-"""The in-process path: tail the runtimes' journals (``<spool>/<runtime_id>.journal``).
+"""The in-process path: tail the runtimes' journals in the spool.
 
-Used where the kernel path cannot run (not root, no bcc, no uprobes). The runtime appends
-each event with one ``os.write`` (:class:`~zerolayer.bpf.probes.TokenProbe` with
-``journal=True``); this source reads what was appended since the last poll. Its resume
-position per file is part of :meth:`state`, which the auditor commits in the same store
-transaction as the events, so a restart resumes exactly where the store stops.
+Used where the kernel path cannot run (not root, no bcc, no uprobes). The runtime appends each
+batch of events to its journal (:class:`~zerolayer.bpf.probes.TokenProbe` with ``journal=True``),
+in segments ``<runtime_id>.journal``, ``<runtime_id>.1.journal``, ...; this source reads what was
+appended since the last poll. Its resume position per file is part of :meth:`state`, which the
+auditor commits in the same store transaction as the events, so a restart resumes exactly where
+the store stops.
+
+Damage never stops metering: a record that cannot be decoded, or a partial record that will never
+be completed (torn by a failed write), is skipped and counted in :meth:`lost`; the runtime's
+counters still cover those events, so reconciliation books them. Records carry no sync marker,
+so after a corrupt record the rest of the file as it is now is skipped; the writer only ever
+appends whole records after damage it left (it cuts a torn record off, or starts a new segment).
+A partial record at the end of a file is torn when a newer segment of the same runtime exists
+(the writer has moved on) or when it has not been completed for ``torn_after_s``. A segment with
+a newer one after it is deleted once everything in it is committed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
+import re
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 from zerolayer.bpf.errors import AuditError
-from zerolayer.bpf.events import TokenEvent, decode_records
+from zerolayer.bpf.events import TokenEvent, corrupt_offset, decode_records
 
+log = logging.getLogger(__name__)
 STATE_PREFIX = "journal:"
 READ_CHUNK = 4 << 20
+_SEGMENT = re.compile(r"^(?P<runtime>[^.]+)(?:\.(?P<segment>\d+))?\.journal$")
+
+
+def segments(spool: pathlib.Path) -> dict[str, list[tuple[int, pathlib.Path]]]:
+    """Journal files per runtime, oldest segment first."""
+    found: dict[str, list[tuple[int, pathlib.Path]]] = {}
+    for path in spool.glob("*.journal"):
+        m = _SEGMENT.match(path.name)
+        if m:
+            found.setdefault(m["runtime"], []).append((int(m["segment"] or 0), path))
+    return {k: sorted(v) for k, v in sorted(found.items())}
 
 
 class JournalSource:
     kind = "journal"
 
     def __init__(self, spool: str | os.PathLike[str], resume: Mapping[str, str] | None = None,
-                 drain_interval_s: float = 0.1) -> None:
+                 drain_interval_s: float = 0.1, torn_after_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.spool = pathlib.Path(spool)
         self.drain_interval_s = drain_interval_s
+        self.torn_after_s = torn_after_s
+        self.clock = clock
         try:
             self.spool.mkdir(parents=True, exist_ok=True)  # the auditor may start before any runtime
         except OSError as exc:
@@ -35,6 +62,9 @@ class JournalSource:
         self.offsets: dict[str, int] = {k[len(STATE_PREFIX):]: int(v) for k, v in (resume or {}).items()
                                         if k.startswith(STATE_PREFIX)}
         self._pending: dict[str, int] = {}
+        self._skipped = 0  # records skipped (torn or corrupt), counted in lost()
+        self._partial: dict[str, tuple[int, int, float]] = {}  # name -> (offset, size, first seen)
+        self._sealed: dict[str, pathlib.Path] = {}  # segments with a newer one after them
 
     def poll(self, timeout_ms: int = 100) -> list[TokenEvent]:
         """Sleeps ``min(timeout_ms, drain interval)``, then returns the events appended since the last call."""
@@ -44,34 +74,81 @@ class JournalSource:
 
     def _read(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
-        for path in sorted(self.spool.glob("*.journal")):
-            name = path.name
-            offset = self._pending.get(name, self.offsets.get(name, 0))
-            try:
-                with path.open("rb") as f:
-                    f.seek(offset)
-                    data = f.read(READ_CHUNK)
-            except OSError as exc:
-                raise AuditError(f"cannot read journal {path}: {exc}") from exc
-            if not data:
-                continue
-            try:
-                batch, used = decode_records(data)
-            except ValueError as exc:
-                raise AuditError(f"{path}: {exc}") from exc
-            events.extend(batch)
-            self._pending[name] = offset + used
+        sealed: dict[str, pathlib.Path] = {}
+        for files in segments(self.spool).values():
+            for i, (_, path) in enumerate(files):
+                if i < len(files) - 1:
+                    sealed[path.name] = path
+                events.extend(self._read_file(path, sealed=i < len(files) - 1))
+        self._sealed = sealed
         return events
+
+    def _read_file(self, path: pathlib.Path, *, sealed: bool) -> list[TokenEvent]:
+        name = path.name
+        offset = self._pending.get(name, self.offsets.get(name, 0))
+        try:
+            with path.open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size <= offset:
+                    return []
+                f.seek(offset)
+                data = f.read(READ_CHUNK)
+        except FileNotFoundError:
+            return []  # deleted by us after its last commit, or by the runtime's cleanup
+        except OSError as exc:
+            raise AuditError(f"cannot read journal {path}: {exc}") from exc
+        bad = corrupt_offset(data)
+        batch, used = decode_records(data if bad is None else data[:bad])
+        position = offset + used
+        if bad is not None:
+            self._skip(name, position, size, f"corrupt record at byte {position}")
+        elif position < size and offset + len(data) >= size:  # a partial record at the end of the file
+            self._partial_tail(name, position, size, sealed)
+        else:
+            self._pending[name] = position
+            self._partial.pop(name, None)
+        return batch
+
+    def _partial_tail(self, name: str, position: int, size: int, sealed: bool) -> None:
+        self._pending[name] = position
+        seen = self._partial.get(name)
+        now = self.clock()
+        if seen is None or seen[:2] != (position, size):
+            self._partial[name] = seen = (position, size, now)
+        if sealed:
+            self._skip(name, position, size, "torn record at the end of a closed segment")
+        elif now - seen[2] >= self.torn_after_s:
+            self._skip(name, position, size, f"partial record not completed for {now - seen[2]:.0f} s")
+
+    def _skip(self, name: str, position: int, size: int, why: str) -> None:
+        self._skipped += 1
+        self._pending[name] = size
+        self._partial.pop(name, None)
+        log.error("journal %s: %s; skipping %d bytes (counted as lost; the runtime's counters reconcile it)",
+                  name, why, size - position)
 
     def state(self) -> dict[str, str]:
         """Resume positions covering every event returned so far; commit them with those events."""
         return {STATE_PREFIX + k: str(v) for k, v in self._pending.items()}
 
     def committed(self) -> None:
+        """The store holds everything returned so far: delete closed segments that are fully consumed."""
         self.offsets.update(self._pending)
+        for name, path in list(self._sealed.items()):
+            try:
+                if self.offsets.get(name, 0) >= path.stat().st_size:
+                    path.unlink()
+                    del self._sealed[name]
+                    self._pending.pop(name, None)
+                    self.offsets.pop(name, None)
+            except FileNotFoundError:
+                del self._sealed[name]
+            except OSError as exc:
+                log.warning("cannot delete consumed journal segment %s: %s", path, exc)
 
     def lost(self) -> int:
-        return 0
+        """Records skipped since this source started (torn or corrupt): their events are missing."""
+        return self._skipped
 
     def close(self) -> None:
         pass

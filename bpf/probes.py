@@ -9,9 +9,14 @@ window; the event's id ``(runtime_id, seq)`` is given when it is fired. Firing d
 1. fires the USDT probe ``zerolayer:tokens`` (bpf/_probes.c) once for the whole batch. With no
    auditor attached this is a nop instruction; attached, the kernel traps once and copies the
    batch into a BPF ring buffer synchronously, so an event fired is never lost to a runtime crash;
-2. optionally (``journal=True``) appends the batch to ``<spool>/<runtime_id>.journal`` with one
-   ``os.write``: the in-process path for hosts without BPF. The auditor tails the journal into
-   the same store;
+2. optionally (``journal=True``) appends the batch to the runtime's journal in ``<spool>``: the
+   in-process path for hosts without BPF. The auditor tails the journal into the same store.
+   The journal is segmented: ``<runtime_id>.journal``, then ``<runtime_id>.1.journal``, ... A new
+   segment starts once one reaches ``journal_max_bytes``; the auditor deletes a segment once a
+   newer one exists and it has committed all of it. A failed append (a full spool) never raises
+   into the request: the file is cut back to the last whole record (or, if that fails, a new
+   segment starts), the failure is logged and counted, and the counters below still count the
+   events, so the auditor books them by reconciliation;
 3. adds the batch's tokens to the runtime's own counters per (tenant, model): the cross-check the
    auditor compares its store with, and the source it reconciles lost events from. Counters only
    ever cover fired events, so a counters snapshot never runs ahead of what the auditor can see.
@@ -28,6 +33,7 @@ stream; a clean stop fires everything). ``window_s=0`` bounds that to one loop i
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -50,11 +56,32 @@ except ImportError:  # built without sys/sdt.h: the in-process path still works
 USDT_AVAILABLE = _probes is not None
 LIMIT = 16383  # bytes a batch may hold: what the BPF program copies (bpf/_probes.c, token_events.bpf.c)
 PENDING_MAX = 64  # fire early once this many requests have tokens pending (~7 KiB of records)
+JOURNAL_MAX_BYTES = 32 << 20  # a journal segment this large is closed and a new one started
+FAILURE_LOG_INTERVAL_S = 60.0
 
 
 def probe_library() -> str | None:
     """Path of the shared object holding the USDT site (what the auditor attaches to), or None."""
     return None if _probes is None else _probes.__file__
+
+
+def whole_records(data: bytes, limit: int) -> int:
+    """Bytes of ``data`` (records, as fired) that hold only whole records within its first ``limit`` bytes."""
+    pos = 0
+    while pos + 4 <= limit:
+        length = int.from_bytes(data[pos:pos + 4], "little")
+        if length <= 0 or pos + length > limit:
+            break
+        pos += length
+    return pos
+
+
+def count_records(data: bytes, limit: int) -> int:
+    pos = count = 0
+    while pos < limit:
+        pos += int.from_bytes(data[pos:pos + 4], "little")
+        count += 1
+    return count
 
 
 class PyBatch:
@@ -95,7 +122,8 @@ class TokenProbe:
     """One per runtime process. See the module docstring for what ``emit`` guarantees."""
 
     def __init__(self, spool: str | os.PathLike[str] | None = None, *, journal: bool = False,
-                 snapshot_interval_s: float = 1.0, usdt: bool = True, window_s: float = 0.05) -> None:
+                 snapshot_interval_s: float = 1.0, usdt: bool = True, window_s: float = 0.05,
+                 journal_max_bytes: int = JOURNAL_MAX_BYTES) -> None:
         if window_s < 0:
             raise AuditError(f"the metering window must be 0 or more seconds, not {window_s}")
         self.runtime_id = secrets.randbits(63) or 1
@@ -113,7 +141,13 @@ class TokenProbe:
         self._usdt = usdt and _probes is not None
         self._batch: Any = _probes.Batch() if self._usdt else PyBatch()
         self._scheduled = False
+        self._journal = journal
         self._journal_fd: int | None = None
+        self._journal_segment = 0
+        self._journal_size = 0  # bytes in the open segment, all of them whole records
+        self.journal_max_bytes = journal_max_bytes
+        self.journal_failures = 0  # appends that failed (their events are in the counters only)
+        self._last_failure_log = float("-inf")
         self._dirty = threading.Event()
         self._closed = threading.Event()
         self._snapshot_interval_s = snapshot_interval_s
@@ -122,19 +156,18 @@ class TokenProbe:
             try:
                 self.spool.mkdir(parents=True, exist_ok=True)
                 if journal:
-                    self._journal_fd = os.open(self.spool / f"{self.runtime_id:016x}.journal",
-                                               os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                    self._open_segment()
             except OSError as exc:
                 raise AuditError(f"cannot use audit spool {self.spool}: {exc}") from exc
-            self._write_snapshot()
+            self._try_snapshot()
             self._thread = threading.Thread(target=self._snapshot_loop, name="token-counters", daemon=True)
             self._thread.start()
         log.info("token probe %016x: usdt=%s journal=%s window=%gms spool=%s", self.runtime_id, self._usdt,
-                 self._journal_fd is not None, window_s * 1000, self.spool)
+                 self._journal, window_s * 1000, self.spool)
 
     @property
     def mode(self) -> str:
-        return "+".join(m for m, on in (("usdt", self._usdt), ("journal", self._journal_fd is not None))
+        return "+".join(m for m, on in (("usdt", self._usdt), ("journal", self._journal))
                         if on) or "counters"
 
     def emit(self, tenant: str, request_id: str, model: str, input_tokens: int, output_tokens: int,
@@ -205,12 +238,77 @@ class TokenProbe:
         batch = self._batch
         if batch.count:
             batch.fire()
-            if self._journal_fd is not None:
-                os.write(self._journal_fd, batch.take())
+            if self._journal:
+                count = batch.count
+                self._append_journal(batch.take(), count)
             else:
                 batch.clear()
             self.batches += 1
         self.seq = seq
+
+    # ------------------------------------------------------------------ journal
+    def _segment_path(self, segment: int) -> pathlib.Path:
+        assert self.spool is not None
+        suffix = f".{segment}" if segment else ""
+        return self.spool / f"{self.runtime_id:016x}{suffix}.journal"
+
+    def _open_segment(self) -> None:
+        fd = os.open(self._segment_path(self._journal_segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._journal_fd, self._journal_size = fd, os.fstat(fd).st_size
+
+    def _next_segment(self) -> None:
+        """Close the open segment (the auditor deletes it once consumed) and start the next one."""
+        if self._journal_fd is not None:
+            os.close(self._journal_fd)
+            self._journal_fd = None
+        self._journal_segment += 1
+        self._open_segment()
+
+    def _append_journal(self, data: bytes, events: int) -> None:
+        """Append whole records; never raises (serving goes on when the spool is full)."""
+        done = 0
+        if self._journal_fd is None and self._closed.is_set():
+            return  # emitted after close: counted only, as before the journal existed
+        try:
+            if self._journal_fd is None:  # a new segment could not be opened last time: try again
+                self._open_segment()
+            view = memoryview(data)
+            while done < len(data):
+                n = os.write(self._journal_fd, view[done:])  # type: ignore[arg-type]
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "journal write made no progress")
+                done += n
+            self._journal_size += done
+        except OSError as exc:
+            self._journal_failed(data, done, events, exc)
+        if self._journal_size >= self.journal_max_bytes:
+            try:
+                self._next_segment()
+            except OSError as exc:
+                self._log_failure("cannot start a new journal segment: %s", exc)
+
+    def _journal_failed(self, data: bytes, done: int, events: int, exc: OSError) -> None:
+        self.journal_failures += 1
+        whole = whole_records(data, done)
+        if done > whole and self._journal_fd is not None:
+            try:  # cut the torn record off: later appends must start at a record boundary
+                os.ftruncate(self._journal_fd, self._journal_size + whole)
+            except OSError:
+                try:  # cannot cut it: leave it at the end of a closed segment, where the auditor skips it
+                    self._next_segment()
+                    whole = 0
+                except OSError:
+                    self._journal_fd = None  # reopened (as the next segment) at the next append
+        self._journal_size += whole
+        self._log_failure("journal append failed (%s): %d of %d events in the counters only; the auditor "
+                          "reconciles them", exc, events - count_records(data, whole), events)
+
+    def _log_failure(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL_S:
+            self._last_failure_log = now
+            log.error(message + " (%d failures so far; logged at most once a minute)", *args,
+                      self.journal_failures)
 
     def counters(self) -> dict[str, Any]:
         """A consistent snapshot: the counters as of fired event ``seq``."""
@@ -231,7 +329,7 @@ class TokenProbe:
             self._dirty.set()
             self._thread.join(timeout=5)
         if self.spool is not None:
-            self._write_snapshot()
+            self._try_snapshot()
         if self._journal_fd is not None:
             os.close(self._journal_fd)
             self._journal_fd = None
@@ -242,11 +340,18 @@ class TokenProbe:
             if self._closed.is_set():
                 return
             self._dirty.clear()
-            try:
-                self._write_snapshot()
-            except AuditError as exc:
-                log.warning("%s", exc)
+            if not self._try_snapshot():
+                self._dirty.set()  # try again after the interval
             self._closed.wait(self._snapshot_interval_s)
+
+    def _try_snapshot(self) -> bool:
+        """Write the counters; a failure (a full spool) is logged, never raised into serving."""
+        try:
+            self._write_snapshot()
+            return True
+        except AuditError as exc:
+            log.warning("%s", exc)
+            return False
 
     def _write_snapshot(self) -> None:
         assert self.spool is not None
