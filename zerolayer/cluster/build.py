@@ -64,6 +64,25 @@ def toolchain_dir() -> pathlib.Path:
     return cache_root() / f"controlplane-{versions.STAMP}" / "bin"
 
 
+def node_toolchain_dir() -> pathlib.Path:
+    """Real-node binaries (kubelet, kube-proxy, kube-router): a cache of their own, keyed by their versions."""
+    return cache_root() / f"node-{versions.NODE_STAMP}" / "bin"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeToolchain:
+    """Absolute paths of the binaries a real node runs (containerd, runc and CNI come from Debian)."""
+
+    bin_dir: pathlib.Path
+
+    def path(self, name: str) -> pathlib.Path:
+        return self.bin_dir / name
+
+    @property
+    def missing(self) -> list[str]:
+        return [n for n in versions.NODE_BINARIES if not os.access(self.path(n), os.X_OK)]
+
+
 def _go() -> str:
     go = shutil.which("go")
     if not go:
@@ -187,6 +206,37 @@ def ensure_binaries(log=None) -> Toolchain:
                  {"h2spec": "github.com/summerwind/h2spec/cmd/h2spec"}, out_dir, log)
     if not tc.kwok_stages.exists():
         _write_kwok_stages(go, work, tc.kwok_stages, log)
+    missing = tc.missing
+    if missing:
+        raise BuildError(f"build finished but {missing} are still missing in {out_dir}")
+    shutil.rmtree(work, ignore_errors=True)
+    return tc
+
+
+def ensure_node_binaries(log=None) -> NodeToolchain:
+    """Return the cached real-node toolchain, building whatever is missing first.
+
+    kubelet and kube-proxy come from the same generated module as the control plane (so a warm Go
+    build cache makes them quick); kube-router from its own module. Kept apart from
+    :func:`ensure_binaries` so that the kwok-only path never pays for them.
+    """
+    log = log or (lambda msg: print(f"[zerolayer build] {msg}", file=sys.stderr, flush=True))
+    tc = NodeToolchain(node_toolchain_dir())
+    if not tc.missing:
+        return tc
+    go = _go()
+    out_dir = tc.bin_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = out_dir.parent / "src"
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"building {', '.join(tc.missing)} into {out_dir} (first time only; minutes on 2 cores)")
+    _build_group(
+        go, work, "kubernetes", [f"k8s.io/kubernetes {versions.KUBERNETES}"], _kubernetes_replaces(go, work, log),
+        {"kubelet": "k8s.io/kubernetes/cmd/kubelet", "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy"},
+        out_dir, log,
+    )
+    _build_group(go, work, "kube-router", [f"github.com/cloudnativelabs/kube-router/v2 {versions.KUBE_ROUTER}"], [],
+                 {"kube-router": "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"}, out_dir, log)
     missing = tc.missing
     if missing:
         raise BuildError(f"build finished but {missing} are still missing in {out_dir}")

@@ -19,6 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     csub = p.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
     up = csub.add_parser("up", help="start (or reuse) the local control plane and wait until nodes are Ready")
     up.add_argument("--nodes", type=int, default=3, help="fake GPU nodes to create (default 3)")
+    up.add_argument("--real-nodes", type=int, default=0, metavar="N",
+                    help="also run N real nodes (kubelet + containerd, pods run for real; root only; default 0)")
     up.add_argument("--timeout", type=float, default=180, help="seconds to wait for Ready nodes")
     up.set_defaults(handler=_up)
     csub.add_parser("down", help="stop every process `up` started and remove its state").set_defaults(handler=_down)
@@ -26,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("-o", "--output", choices=["table", "json"], default="table")
     st.set_defaults(handler=_status)
     csub.add_parser("kubeconfig", help="print the admin kubeconfig path").set_defaults(handler=_kubeconfig)
+    imp = csub.add_parser("import-image", help="import an OCI or docker-archive tarball into the real nodes")
+    imp.add_argument("archive", help="image tarball (e.g. from hack/build-image.sh)")
+    imp.set_defaults(handler=_import_image)
     csub.add_parser("env", help="print shell exports: KUBECONFIG and a PATH with the matching kubectl and helm"
                     ).set_defaults(handler=_env)
 
@@ -48,7 +53,9 @@ def _log(msg: str) -> None:
 def _up(args) -> int:
     if args.nodes < 1:
         raise ClusterError("--nodes must be at least 1")
-    LocalCluster(log=_log).up(nodes=args.nodes, timeout=args.timeout)
+    if args.real_nodes < 0:
+        raise ClusterError("--real-nodes must be 0 or more")
+    LocalCluster(log=_log).up(nodes=args.nodes, timeout=args.timeout, real_nodes=args.real_nodes)
     return 0
 
 
@@ -71,6 +78,9 @@ def _status(args) -> int:
         print(f"{'COMPONENT':<26}{'PID':>8}  {'PORT':>6}  STATE")
         for c in st["components"]:
             print(f"{c['name']:<26}{c['pid']:>8}  {c['port']:>6}  {'running' if c['alive'] else 'stopped'}")
+        for n in st.get("real_nodes", []):
+            print(f"real node   {n['name']}  InternalIP {n['node_ip']}:{n['kubelet_port']}  pods {n['pod_cidr']}  "
+                  f"containerd {n['socket']}")
     return 0 if st["running"] else 3
 
 
@@ -79,6 +89,13 @@ def _require_state(cluster: LocalCluster) -> dict:
     if st is None:
         raise ClusterError("no local cluster (run `zerolayer cluster up`)")
     return st
+
+
+@_guard
+def _import_image(args) -> int:
+    for name in LocalCluster(log=_log).import_image(args.archive):
+        print(name)
+    return 0
 
 
 @_guard

@@ -8,7 +8,9 @@ process it started and removes the state directory. The processes outlive the
 command that started them; ``state.json`` in the state directory records them.
 
 Pods on kwok nodes are records, not processes: tests run the operator and
-runtimes as local processes against this API server.
+runtimes as local processes against this API server. ``up(real_nodes=N)`` adds
+N nodes whose pods do run (kubelet + containerd, see :mod:`zerolayer.cluster.node`);
+the API server then listens on the node bridge instead of 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 
-from zerolayer.cluster import build, pki, versions
+from zerolayer.cluster import build, host, images, node, pki, versions
 
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 GPU_MEMORY_MIB = 81559
@@ -157,11 +159,27 @@ class LocalCluster:
         return proc
 
     # ------------------------------------------------------------------ up
-    def up(self, nodes: int = 3, timeout: float = 180) -> str:
+    def _launch(self, state: dict, name: str, exe: str, args: list[str], port: int) -> int:
+        """Start ``exe`` in its own session, logging to ``logs/<name>.log``, and record it in state.json."""
+        logf = open(self.logs / f"{name}.log", "ab")
+        # containerd's shims look for runc, kube-router and kube-proxy for iptables/ipset, on PATH.
+        env = dict(os.environ, PATH=os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin",
+                                                     "/sbin"]))
+        proc = subprocess.Popen([exe, *args], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=self.dir, env=env)
+        logf.close()
+        self._children[proc.pid] = proc
+        state["components"].append(dataclasses.asdict(Component(name, proc.pid, port)))
+        self.state_file.write_text(json.dumps(state, indent=2))
+        return proc.pid
+
+    def up(self, nodes: int = 3, timeout: float = 180, real_nodes: int = 0) -> str:
         """Start the control plane (or reuse a running one); returns "started" or "reused".
 
-        Raises ClusterError when a previous cluster is half-alive (some processes dead):
-        the caller should run ``down`` first rather than get a silently broken cluster.
+        ``real_nodes`` > 0 adds that many real nodes (root only; one such cluster per host): see
+        :mod:`zerolayer.cluster.node`. Raises ClusterError when a previous cluster is half-alive
+        (some processes dead): the caller should run ``down`` first rather than get a silently
+        broken cluster, and when the host cannot run real nodes (before changing anything).
         """
         if self.state() is not None:
             if self.is_running():
@@ -173,32 +191,40 @@ class LocalCluster:
                 "run `zerolayer cluster down` and then `up` again"
             )
         started = time.monotonic()
+        if real_nodes:
+            reason = host.unsupported_reason()
+            if reason:
+                raise ClusterError(f"cannot run real nodes here: {reason}")
+            holder = host.claim_holder()
+            if holder is not None and holder != str(self.dir):
+                raise ClusterError(f"real nodes of another local cluster ({holder}) hold this host; "
+                                   "take that one down first")
         tc = build.ensure_binaries(self.log)
+        node_tc = build.ensure_node_binaries(self.log) if real_nodes else None
         self._toolchain = tc
         self.dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
-        pki.create(self.pki)
+        address = host.GATEWAY_IP if real_nodes else "127.0.0.1"
+        pki.create(self.pki, extra_ips=(host.GATEWAY_IP,) if real_nodes else ())
         ports = {n: _free_port() for n in ("etcd", "etcd-peer", "apiserver", "controller-manager",
                                             "scheduler", "kwok")}
-        api = f"https://127.0.0.1:{ports['apiserver']}"
+        api = f"https://{address}:{ports['apiserver']}"
         state = {"api_server": api, "bin_dir": str(tc.bin_dir), "versions": versions.STAMP,
-                 "kubeconfig": str(self.kubeconfig), "components": []}
+                 "kubeconfig": str(self.kubeconfig), "components": [], "real_nodes": []}
         for user in ("admin", "controller-manager", "scheduler"):
             path = self.kubeconfig if user == "admin" else self.dir / f"{user}.kubeconfig"
             path.write_text(pki.kubeconfig(api, self.pki, user))
             path.chmod(0o600)
 
         def launch(name: str, args: list[str], port_key: str) -> None:
-            logf = open(self.logs / f"{name}.log", "ab")
-            proc = subprocess.Popen([str(tc.path(name if name != "etcd" else "etcd")), *args],
-                                    stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=self.dir)
-            logf.close()
-            self._children[proc.pid] = proc
-            state["components"].append(dataclasses.asdict(Component(name, proc.pid, ports[port_key])))
-            self.state_file.write_text(json.dumps(state, indent=2))
+            self._launch(state, name, str(tc.path(name)), args, ports[port_key])
 
+        if real_nodes:
+            self.state_file.write_text(json.dumps(state, indent=2))  # so `down` finds the host claim's owner
         try:
+            if real_nodes:
+                host.acquire(self.dir)
+                host.setup_network()
             etcd_url = f"http://127.0.0.1:{ports['etcd']}"
             peer_url = f"http://127.0.0.1:{ports['etcd-peer']}"
             launch("etcd", [
@@ -210,8 +236,20 @@ class LocalCluster:
             ], "etcd")
             self._wait(lambda: self._http_ok(f"{etcd_url}/health"), 30, "etcd")
             p = self.pki
+            if real_nodes:
+                # Pods reach the API server on the bridge, directly or through the `kubernetes`
+                # Service (whose endpoint is the advertised address); it reaches kubelets by InternalIP.
+                node_flags = [
+                    f"--kubelet-client-certificate={self.pki / 'apiserver-kubelet-client.crt'}",
+                    f"--kubelet-client-key={self.pki / 'apiserver-kubelet-client.key'}",
+                    f"--kubelet-certificate-authority={self.pki / 'ca.crt'}",
+                    "--kubelet-preferred-address-types=InternalIP",
+                ]
+            else:
+                # 127.0.0.1 is not a valid endpoint address, so the `kubernetes` Service gets none.
+                node_flags = ["--endpoint-reconciler-type=none"]
             launch("kube-apiserver", [
-                f"--etcd-servers={etcd_url}", "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                f"--etcd-servers={etcd_url}", f"--bind-address={address}", f"--advertise-address={address}",
                 f"--secure-port={ports['apiserver']}",
                 f"--tls-cert-file={p / 'apiserver.crt'}", f"--tls-private-key-file={p / 'apiserver.key'}",
                 f"--client-ca-file={p / 'ca.crt'}",
@@ -219,8 +257,7 @@ class LocalCluster:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--authorization-mode=Node,RBAC", "--allow-privileged=true",
-                # 127.0.0.1 is not a valid endpoint address, so the `kubernetes` Service gets none.
-                "--endpoint-reconciler-type=none",
+                *node_flags,
                 "--profiling=false", "--v=1",
             ], "apiserver")
             self._wait(self.healthy, 90, "kube-apiserver")
@@ -249,8 +286,11 @@ class LocalCluster:
                 f"--server-address=127.0.0.1:{ports['kwok']}",
             ], "kwok")
             self.add_nodes(range(nodes))
+            if real_nodes:
+                self._start_real_nodes(state, real_nodes, node_tc)
             deadline = started + timeout
-            self._wait(lambda: self._nodes_ready(nodes), max(5.0, deadline - time.monotonic()), "fake GPU nodes Ready")
+            self._wait(lambda: self._nodes_ready(nodes + real_nodes), max(5.0, deadline - time.monotonic()),
+                       "nodes Ready")
             self._wait(lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default",
                                             check=False).returncode == 0,
                        max(5.0, deadline - time.monotonic()), "default ServiceAccount")
@@ -261,9 +301,54 @@ class LocalCluster:
             if tails:
                 self.log(tails)
             raise
-        self.log(f"cluster up in {time.monotonic() - started:.1f}s: API server {api}, {nodes} fake GPU nodes; "
-                 f"kubeconfig {self.kubeconfig}")
+        self.log(f"cluster up in {time.monotonic() - started:.1f}s: API server {api}, {nodes} fake GPU nodes, "
+                 f"{real_nodes} real nodes; kubeconfig {self.kubeconfig}")
         return "started"
+
+    def _start_real_nodes(self, state: dict, count: int, tc: build.NodeToolchain) -> None:
+        """Start each real node's containerd and kubelet, then the host's kube-proxy and kube-router."""
+        def alive() -> None:
+            dead = [c.name for c in self.components() if not c.alive]
+            if dead:
+                raise ClusterError(f"{', '.join(dead)} exited while starting real nodes")
+
+        def launch(name, exe, args, port):
+            return self._launch(state, name, exe, args, port)
+
+        real = [node.RealNode(i, self.dir / "nodes" / f"{node.REAL_NODE_PREFIX}{i}", _free_port(), _free_port())
+                for i in range(count)]
+        state["real_nodes"] = [n.as_dict() for n in real]
+        self.state_file.write_text(json.dumps(state, indent=2))
+        try:
+            for n in real:
+                node.start_node(n, launch=launch, api_url=state["api_server"], pki_dir=self.pki, tc=tc,
+                                alive=alive, log=self.log)
+            for n in real:
+                self._wait(lambda n=n: self.kubectl("get", "node", n.name, check=False).returncode == 0, 60,
+                           f"{n.name} to register")
+                node.register_node(n, self.kubectl)
+            node.start_host_agents(launch=launch, cluster_dir=self.dir, kubeconfig=self.kubeconfig,
+                                   service_cidr=SERVICE_CIDR, tc=tc, ports=(_free_port(), _free_port()))
+        except (node.NodeError, images.ImageError, host.HostError) as exc:
+            raise ClusterError(str(exc)) from exc
+
+    def real_nodes(self) -> list[node.RealNode]:
+        return [node.RealNode.from_dict(d) for d in (self.state() or {}).get("real_nodes", [])]
+
+    def import_image(self, archive: str | os.PathLike) -> list[str]:
+        """Import an OCI or docker-archive tarball into every real node's containerd (namespace
+        ``k8s.io``, where the kubelet finds it); returns the image names. Pods then use it with
+        ``imagePullPolicy: IfNotPresent`` (or a non-``latest`` tag): there is no registry."""
+        real = self.real_nodes()
+        if not real:
+            raise ClusterError("this cluster has no real nodes (`zerolayer cluster up --real-nodes 1`)")
+        names: list[str] = []
+        try:
+            for n in real:
+                names = images.import_image(n.socket, archive)
+        except images.ImageError as exc:
+            raise ClusterError(str(exc)) from exc
+        return names
 
     def add_nodes(self, indices) -> list[str]:
         """Create (or update) kwok-managed fake GPU nodes ``gpu-node-<i>``; returns their names."""
@@ -334,6 +419,11 @@ class LocalCluster:
             if child is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.wait(timeout=5)
+        real = [node.RealNode.from_dict(d) for d in ((self.state() or {}) if self.state_file.exists() else {})
+                .get("real_nodes", [])]
+        if real or host.claim_holder() == str(self.dir):
+            # Before removing the directory: pod mounts below it must be gone first.
+            node.teardown(self.dir, real, self.log)
         existed = self.dir.exists()
         shutil.rmtree(self.dir, ignore_errors=True)
         if not quiet:
@@ -350,6 +440,7 @@ class LocalCluster:
             "api_server": st["api_server"],
             "kubeconfig": st["kubeconfig"],
             "components": [dict(dataclasses.asdict(c), alive=c.alive) for c in self.components()],
+            "real_nodes": st.get("real_nodes", []),
         }
 
 

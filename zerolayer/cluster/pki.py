@@ -51,8 +51,38 @@ def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.Certific
     )
 
 
-def create(pki: pathlib.Path) -> None:
-    """Write ca.crt/key, apiserver.crt/key, admin/controller-manager/scheduler client pairs, sa.key/pub."""
+def _sans(dns: list[str], ips: list[str]) -> x509.SubjectAlternativeName:
+    return x509.SubjectAlternativeName([x509.DNSName(d) for d in dns]
+                                       + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips])
+
+
+def _leaf(pki: pathlib.Path, stem: str, cn: str, org: str | None, *, ca_key, ca_name: x509.Name,
+          server_sans: x509.SubjectAlternativeName | None = None, client: bool = True) -> None:
+    """Write ``stem.crt``/``stem.key``: a client certificate, a serving one (``server_sans``), or both."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    b = _builder(_name(cn, org), ca_name, key.public_key())
+    usages = ([ExtendedKeyUsageOID.SERVER_AUTH] if server_sans is not None else []) + (
+        [ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])
+    b = b.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    if server_sans is not None:
+        b = b.add_extension(server_sans, critical=False)
+    _write_key(key, pki / f"{stem}.key")
+    _write_cert(b.sign(ca_key, hashes.SHA256()), pki / f"{stem}.crt")
+
+
+def _load_ca(pki: pathlib.Path):
+    ca = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), password=None)
+    return key, ca.subject
+
+
+def create(pki: pathlib.Path, extra_ips: tuple[str, ...] = ()) -> None:
+    """Write ca.crt/key, apiserver.crt/key, admin/controller-manager/scheduler client pairs, sa.key/pub.
+
+    ``extra_ips`` are added to the API server's serving certificate (the address real nodes and
+    their pods reach it on). ``apiserver-kubelet-client`` is the API server's identity towards
+    kubelets (``kubectl logs/exec``): in ``system:masters`` so the kubelets' webhook authorizer allows it.
+    """
     pki.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("zerolayer-local-ca")
@@ -66,32 +96,17 @@ def create(pki: pathlib.Path) -> None:
     )
     _write_key(ca_key, pki / "ca.key")
     _write_cert(ca, pki / "ca.crt")
-
-    def leaf(stem: str, cn: str, org: str | None, server: bool) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = _builder(_name(cn, org), ca_name, key.public_key())
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        if server:
-            b = b.add_extension(
-                x509.SubjectAlternativeName([
-                    x509.DNSName("localhost"),
-                    x509.DNSName("kubernetes"),
-                    x509.DNSName("kubernetes.default"),
-                    x509.DNSName("kubernetes.default.svc"),
-                    x509.DNSName("kubernetes.default.svc.cluster.local"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                    x509.IPAddress(ipaddress.ip_address("10.96.0.1")),
-                ]),
-                critical=False,
-            )
-        _write_key(key, pki / f"{stem}.key")
-        _write_cert(b.sign(ca_key, hashes.SHA256()), pki / f"{stem}.crt")
-
-    leaf("apiserver", "kube-apiserver", None, server=True)
-    leaf("admin", "zerolayer-admin", "system:masters", server=False)
-    leaf("controller-manager", "system:kube-controller-manager", None, server=False)
-    leaf("scheduler", "system:kube-scheduler", None, server=False)
+    signer = {"ca_key": ca_key, "ca_name": ca_name}
+    apiserver_sans = _sans(
+        ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+         "kubernetes.default.svc.cluster.local"],
+        ["127.0.0.1", "10.96.0.1", *extra_ips],
+    )
+    _leaf(pki, "apiserver", "kube-apiserver", None, server_sans=apiserver_sans, client=False, **signer)
+    _leaf(pki, "admin", "zerolayer-admin", "system:masters", **signer)
+    _leaf(pki, "controller-manager", "system:kube-controller-manager", None, **signer)
+    _leaf(pki, "scheduler", "system:kube-scheduler", None, **signer)
+    _leaf(pki, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters", **signer)
 
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     _write_key(sa_key, pki / "sa.key")
@@ -99,6 +114,20 @@ def create(pki: pathlib.Path) -> None:
         sa_key.public_key().public_bytes(serialization.Encoding.PEM,
                                          serialization.PublicFormat.SubjectPublicKeyInfo)
     )
+
+
+def create_node(pki: pathlib.Path, node: str, ip: str) -> None:
+    """Write a real node's kubelet pairs, signed by the cluster CA made by :func:`create`.
+
+    ``<node>.crt`` is its client identity (``system:node:<node>`` in ``system:nodes``, what the
+    Node authorizer expects); ``<node>-serving.crt`` its kubelet serving certificate for ``ip``
+    and the node name, which the API server verifies when it proxies ``logs``/``exec``.
+    """
+    ca_key, ca_name = _load_ca(pki)
+    signer = {"ca_key": ca_key, "ca_name": ca_name}
+    _leaf(pki, node, f"system:node:{node}", "system:nodes", **signer)
+    _leaf(pki, f"{node}-serving", f"system:node:{node}", "system:nodes", server_sans=_sans([node], [ip]),
+          client=False, **signer)
 
 
 def kubeconfig(server: str, pki: pathlib.Path, user: str) -> str:

@@ -5,6 +5,7 @@ ETCD = "v3.6.16"  # go.etcd.io/etcd/server/v3 (Kubernetes 1.35 is tested against
 KWOK = "v0.8.0"  # fake nodes whose pods become Running
 HELM = "v3.19.5"
 H2SPEC = "v2.2.1+incompatible"  # conformance suite for the runtime's HTTP/2 server
+KUBE_ROUTER = "v2.1.0"  # NetworkPolicy enforcer on real nodes (the only v2 version the Go proxy serves)
 GO_DIRECTIVE = "1.25.0"
 
 BINARIES = (
@@ -18,12 +19,22 @@ BINARIES = (
     "h2spec",
 )
 
+# Real nodes (``cluster up --real-nodes N``): built into their own cache directory so the kwok-only
+# path never waits for them. kubelet and kube-proxy share the control plane's Kubernetes version.
+NODE_BINARIES = (
+    "kubelet",
+    "kube-proxy",
+    "kube-router",
+)
+
+NODE_STAMP = f"k8s{KUBERNETES}-kube-router{KUBE_ROUTER}"
+
 STAMP = f"k8s{KUBERNETES}-etcd{ETCD}-kwok{KWOK}-helm{HELM}-h2spec{H2SPEC.split('+')[0]}"
 
 
 def ldflags(binary: str) -> str:
     """Version stamps so `kubectl version` and `helm version` report the pinned releases."""
-    if binary in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"):
+    if binary in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy"):
         major, minor = KUBERNETES.removeprefix("v").split(".")[:2]
         flags = []
         for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
@@ -36,6 +47,8 @@ def ldflags(binary: str) -> str:
         return " ".join(flags)
     if binary == "helm":
         return f"-X helm.sh/helm/v3/internal/version.version={HELM}"
+    if binary == "kube-router":
+        return f"-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version={KUBE_ROUTER}"
     if binary == "kwok":
         return f"-X sigs.k8s.io/kwok/pkg/consts.Version={KWOK.removeprefix('v')}"
     return ""
