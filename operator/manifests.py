@@ -203,6 +203,16 @@ LIVE_SPEC_FIELDS: tuple[tuple[str, ...], ...] = (
 )
 
 
+def _without_empty(value: Any) -> Any:
+    """An empty section means the same as an absent one (``scheduler: {}`` once its live keys are gone)."""
+    if isinstance(value, Mapping):
+        kept = {k: _without_empty(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v != {}}
+    if isinstance(value, list):
+        return [_without_empty(v) for v in value]
+    return value
+
+
 def runtime_config_hash(spec: Mapping[str, Any]) -> str:
     """Hash of what the runtime pod reads once at start from the InferenceNode spec.
 
@@ -220,7 +230,7 @@ def runtime_config_hash(spec: Mapping[str, Any]) -> str:
             parent = parent.get(key) if isinstance(parent, Mapping) else None
         if isinstance(parent, dict):
             parent.pop(path[-1], None)
-    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str)
+    canonical = json.dumps(_without_empty(rest), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -348,7 +358,7 @@ def fetch_progress(pod: Mapping[str, Any], fetches: set[str]) -> tuple[str, str,
                         f"{name} in pod {pod_name} failed (exit {terminated.get('exitCode')}): {why}")
         if (state.get("terminated") or {}).get("exitCode") == 0:
             continue
-        if state.get("running"):
+        if "running" in state:
             return ("Unknown", "ModelDownloading", f"{name} in pod {pod_name} is downloading")
         pending.append(name)
     if pending:

@@ -55,6 +55,12 @@ class FakeKube:
         obj = self.find(api_version, kind, name, namespace)
         return copy.deepcopy(obj) if obj else None
 
+    async def list(self, api_version, kind, namespace=None, *, label_selector=None):
+        wanted = dict(part.split("=", 1) for part in label_selector.split(",")) if label_selector else {}
+        return [copy.deepcopy(obj) for (av, k, ns, _), obj in sorted(self.objects.items())
+                if av == api_version and k == kind and (namespace is None or ns == namespace)
+                and wanted.items() <= (obj["metadata"].get("labels") or {}).items()]
+
     async def ensure(self, desired):
         meta = desired["metadata"]
         key = (desired["apiVersion"], desired["kind"], meta.get("namespace"), meta["name"])
