@@ -30,6 +30,8 @@ import random
 import threading
 from typing import Callable, Mapping
 
+from zerolayer.contract import MAX_DEADLINE_S
+
 from . import errors
 
 
@@ -145,7 +147,7 @@ class RetryPolicy:
             return RetryDecision(0.0, dataclasses.replace(nxt, max_tokens=half), avoid_same_node=False, reason="gpu_oom")
         if isinstance(error, errors.DeadlineExceeded):
             hint = self.lighter_models.get(attempt.model_hint or "", attempt.model_hint)
-            deadline = attempt.deadline_s * 2 if attempt.deadline_s is not None else None
+            deadline = min(attempt.deadline_s * 2, MAX_DEADLINE_S) if attempt.deadline_s is not None else None
             nxt = dataclasses.replace(nxt, model_hint=hint, deadline_s=deadline)
             return RetryDecision(self.backoff(attempt.number), nxt, avoid_same_node=False, reason="deadline")
         if isinstance(

@@ -68,8 +68,9 @@ class RequestContract:
             raise ValueError(f"session must be a non-empty header-safe token, got {self.session!r}")
         if self.output_format not in OUTPUT_FORMATS:
             raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {self.output_format!r}")
-        if self.deadline_s is not None and not 0 < self.deadline_s * 1e9 < contract.DEADLINE_ABSOLUTE_THRESHOLD_NS:
-            raise ValueError(f"deadline must be a positive relative budget in seconds, got {self.deadline_s!r}")
+        if self.deadline_s is not None and not 0 < self.deadline_s <= contract.MAX_DEADLINE_S:
+            raise ValueError(f"deadline must be a positive relative budget of at most {contract.MAX_DEADLINE_S:g} "
+                             f"seconds (the runtime refuses longer ones), got {self.deadline_s!r}")
 
     def headers(self, *, model: str, model_hint: str | None = None, deadline_s: float | None = None) -> dict[str, str]:
         """Headers for one attempt. ``model_hint`` / ``deadline_s`` are the retry policy's adjustments."""

@@ -8,6 +8,7 @@ value, DEADLINE_EXCEEDED for a deadline already past on arrival).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Sequence
 
 from zerolayer import contract
@@ -71,15 +72,16 @@ def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int
     raw_deadline = first(headers, contract.DEADLINE_NANOS)
     if raw_deadline is not None:
         try:
-            nanos = int(raw_deadline)
+            # 20 digits hold any sane Unix time in ns; longer is refused before int() does work on it.
+            nanos = int(raw_deadline) if len(raw_deadline) <= 20 else -1
         except ValueError:
-            raise _bad(f"deadline must be an integer number of nanoseconds, got {raw_deadline!r}") from None
+            raise _bad(f"deadline must be an integer number of nanoseconds, got {raw_deadline[:40]!r}") from None
         if nanos <= 0:
-            raise _bad("deadline must be positive")
-        if nanos >= contract.DEADLINE_ABSOLUTE_THRESHOLD_NS:
-            deadline = now_mono + (nanos - now_wall_ns) / 1e9
-        else:
-            deadline = now_mono + nanos / 1e9
+            raise _bad("deadline must be a positive integer of at most 20 digits")
+        relative_ns = nanos - now_wall_ns if nanos >= contract.DEADLINE_ABSOLUTE_THRESHOLD_NS else nanos
+        if relative_ns > contract.MAX_DEADLINE_S * 1e9:
+            raise _bad(f"deadline is more than {contract.MAX_DEADLINE_S:g} s away")
+        deadline = now_mono + relative_ns / 1e9
         if deadline <= now_mono:
             raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline already passed on arrival",
                                  reason="deadline_on_arrival")
@@ -90,9 +92,11 @@ def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int
         try:
             ms = float(raw_ttft)
         except ValueError:
-            raise _bad(f"x-slo-ttft-ms must be a number of milliseconds, got {raw_ttft!r}") from None
-        if ms <= 0:
-            raise _bad("x-slo-ttft-ms must be positive")
+            raise _bad(f"x-slo-ttft-ms must be a number of milliseconds, got {raw_ttft[:40]!r}") from None
+        # inf, nan and 1e400 parse as floats: finite and bounded, or the scheduler's arithmetic overflows.
+        if not (math.isfinite(ms) and 0 < ms <= contract.MAX_DEADLINE_S * 1000):
+            raise _bad(f"x-slo-ttft-ms must be a positive number of milliseconds up to "
+                       f"{contract.MAX_DEADLINE_S * 1000:g}")
         ttft = now_mono + ms / 1000.0
 
     output_format = first(headers, contract.OUTPUT_FORMAT)

@@ -27,6 +27,9 @@ OUTPUT_FORMAT = ("x-zerolayer-output-format", "x-anthropic-output-format")
 # date, so no real value is ambiguous.
 DEADLINE_NANOS = ("x-zerolayer-deadline-nanos", "x-anthropic-deadline-nanos")
 DEADLINE_ABSOLUTE_THRESHOLD_NS = 10**17
+# The longest deadline or TTFT budget a request may name: beyond it the value is a mistake (or an
+# attempt to overflow the scheduler's arithmetic), answered 400.
+MAX_DEADLINE_S = 86400.0
 SLO_TTFT_MS = ("x-slo-ttft-ms",)  # time-to-first-token budget (Gateway API Inference Extension)
 API_KEY = ("x-api-key",)  # or "authorization: Bearer <key>"
 CLIENT_LATENCY = "x-zerolayer-client-latency"  # SDK's report of its previous request: "ttft_ms=..,total_ms=.."

@@ -136,6 +136,9 @@ class MicroScheduler:
                 if previous is not None:
                     self._release(previous, now)
                 return self._refuse(ticket, refusal, now)
+            # Everything that can fail comes before the first mutation: a plugin error must leave
+            # no charge and no open stream behind.
+            engine_priority = self._ordering.engine_priority(ticket)
             at = self._state.ledger.tenant(ticket.tenant).charge(
                 ticket.stream_key, ticket.prompt_tokens + ticket.max_tokens, now, new_request=previous is None)
             reservation = Reservation(ticket.stream_key, ticket.tenant, ticket.priority,
@@ -146,8 +149,7 @@ class MicroScheduler:
             self.metrics.count_admitted(ticket.priority, stage)
             self.metrics.open_streams.set(len(self._streams))
             headers = self._state.ledger.headers(policy, now) if policy is not None else {}
-            return Admission(True, reservation, headers=headers,
-                             engine_priority=self._ordering.engine_priority(ticket))
+            return Admission(True, reservation, headers=headers, engine_priority=engine_priority)
 
     def settle(self, reservation: Reservation, used_tokens: int, now: float) -> None:
         with self._lock:

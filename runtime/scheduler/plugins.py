@@ -14,6 +14,7 @@ Shaped like the Gateway API Inference Extension's scheduler: each plugin is smal
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Protocol, Sequence
 
 from zerolayer.contract import ErrorCode, Priority
@@ -238,7 +239,8 @@ class DeadlineOrdering:
 
     def engine_priority(self, ticket: Ticket) -> int:
         rank = CLASS_STRIDE - 1
-        if ticket.deadline is not None:
+        # A non-finite deadline ranks as none (the headers refuse them; this keeps the plugin total).
+        if ticket.deadline is not None and math.isfinite(ticket.deadline):
             rank = min(CLASS_STRIDE - 1, max(0, int(ticket.deadline * 1000)))
         return int(ticket.priority) * CLASS_STRIDE + rank
 
