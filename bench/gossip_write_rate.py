@@ -99,7 +99,7 @@ def main() -> int:
     started = cluster.up() == "started"
     names = [f"bench-gossip-{uuid.uuid4().hex[:4]}-{i}" for i in range(args.nodes)]
     docs = [{"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode", "metadata": {"name": n},
-             "spec": {"nodeName": "gpu-node-0", "models": [{"name": "m", "source": "/m"}],
+             "spec": {"nodeName": "gpu-node-0", "models": [{"name": "m", "source": {"path": "/m"}}],
                       "gossip": {"heartbeatSeconds": args.heartbeat, "maxPatchesPerSecond": args.max_patches}}}
             for n in names]
     nodes: list[Node] = []

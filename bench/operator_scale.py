@@ -158,7 +158,7 @@ def main() -> int:
                              "namespaces": [f"team-{i}"], "tokensPerMinute": 1000, "requestsPerMinute": 60}}
                    for i in range(args.tenants)]
         inodes = [{"apiVersion": API, "kind": "InferenceNode", "metadata": {"name": f"{n}-inode", "labels": {key: value}},
-                   "spec": {"nodeName": n, "models": [{"name": "tiny", "source": "/models/tiny"}],
+                   "spec": {"nodeName": n, "models": [{"name": "tiny", "source": {"path": "/models/tiny"}}],
                             "gossip": {"heartbeatSeconds": 10, "staleAfterSeconds": 86400}}}
                   for n in node_names]
         kubectl_apply(cluster, secrets + inodes + tenants)

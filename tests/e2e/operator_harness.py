@@ -109,7 +109,7 @@ class Objects:
     def inference_node(self, name: str, node: str, **spec) -> dict:
         return {"apiVersion": API, "kind": "InferenceNode",
                 "metadata": {"name": name, "labels": {E2E_LABEL: self.run_id}},
-                "spec": {"nodeName": node, "models": [{"name": "tiny", "source": "/models/tiny"}],
+                "spec": {"nodeName": node, "models": [{"name": "tiny", "source": {"path": "/models/tiny"}}],
                          "runtime": {"resources": {"requests": {"cpu": "100m", "memory": "128Mi"}}},
                          # heartbeats are written by hand here: keep them fresh for the whole test
                          "gossip": {"heartbeatSeconds": 10, "staleAfterSeconds": 3600}, **spec}}

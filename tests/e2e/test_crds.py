@@ -35,7 +35,7 @@ def test_api_server_accepts_example(cluster, path):
 
 
 def _node(**spec) -> dict:
-    base = {"nodeName": "gpu-node-0", "models": [{"name": "m", "source": "/models/m"}]}
+    base = {"nodeName": "gpu-node-0", "models": [{"name": "m", "source": {"path": "/models/m"}}]}
     base.update(spec)
     return {"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode",
             "metadata": {"name": "invalid-probe"}, "spec": base}
@@ -66,8 +66,24 @@ INVALID = [
     ("missing nodeName", _without(_node(), "nodeName"), ["spec.nodeName", "Required value"]),
     ("node name not a DNS name", _node(nodeName="GPU_Node"), ["spec.nodeName", "should match"]),
     ("no models", _node(models=[]), ["spec.models", "at least 1"]),
-    ("duplicate model names", _node(models=[{"name": "m", "source": "/a"}, {"name": "m", "source": "/b"}]),
+    ("duplicate model names", _node(models=[{"name": "m", "source": {"path": "/a"}}, {"name": "m", "source": {"path": "/b"}}]),
      ["spec.models[1]", "Duplicate value"]),
+    ("model source with two kinds", _node(models=[{"name": "m", "source": {"path": "/a",
+                                                                            "hostPath": {"path": "/b"}}}]),
+     ["spec.models[0].source", "set exactly one of source.path"]),
+    ("model source with no kind", _node(models=[{"name": "m", "source": {}}]), ["set exactly one of source.path"]),
+    ("legacy string source", _node(models=[{"name": "m", "source": "/models/m"}]),
+     ["spec.models[0].source", "must be of type object"]),
+    ("relative hostPath", _node(models=[{"name": "m", "source": {"hostPath": {"path": "models/m"}}}]),
+     ["spec.models[0].source.hostPath.path", "should match"]),
+    ("pvc subPath escaping the volume", _node(models=[{"name": "m", "source": {"pvc": {"claimName": "w",
+                                                                                         "subPath": "a/../.."}}}]),
+     ["pvc.subPath must be a relative path without '..'"]),
+    ("huggingFace repo with a scheme", _node(models=[{"name": "m", "source": {"huggingFace": {
+        "repo": "https://hub/org/name"}}}]), ["spec.models[0].source.huggingFace.repo", "should match"]),
+    ("huggingFace token ref without a name", _node(models=[{"name": "m", "source": {"huggingFace": {
+        "repo": "org/name", "tokenSecretRef": {"key": "t"}}}}]),
+     ["spec.models[0].source.huggingFace.tokenSecretRef.name", "Required value"]),
     ("unknown engine", _node(runtime={"engine": "tgi"}), ["spec.runtime.engine", "Unsupported value"]),
     ("port below 1024", _node(runtime={"port": 80}), ["spec.runtime.port"]),
     ("reset without defrag", _node(defrag={"enabled": False, "allowReset": True}),
@@ -93,6 +109,26 @@ def test_api_server_rejects_invalid_resource_with_a_readable_message(cluster, do
     assert "is invalid" in out.stderr
     for needle in needles:
         assert needle in out.stderr, out.stderr
+
+
+def test_every_model_source_kind_is_accepted_with_its_defaults(cluster):
+    doc = _node(models=[
+        {"name": "a", "source": {"path": "/opt/model"}},
+        {"name": "b", "source": {"hostPath": {"path": "/srv/models/b"}}},
+        {"name": "c", "source": {"pvc": {"claimName": "weights", "subPath": "c/v1"}}},
+        {"name": "d", "source": {"huggingFace": {"repo": "org/name", "tokenSecretRef": {"name": "hf"},
+                                                 "endpoint": "http://mirror.local:8080"}}},
+    ])
+    out = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(doc))
+    hf = json.loads(out.stdout)["spec"]["models"][3]["source"]["huggingFace"]
+    assert hf["revision"] == "main" and hf["tokenSecretRef"]["key"] == "token"
+
+
+def test_kubectl_explain_documents_the_model_source(cluster):
+    out = cluster.kubectl("explain", "inferencenode.spec.models.source").stdout
+    for needle in ("exactly one of path, hostPath, pvc and huggingFace", "huggingFace", "pvc", "hostPath"):
+        assert needle in out, out
+    assert "node-local cache" in cluster.kubectl("explain", "inferencenode.spec.models.source.huggingFace").stdout
 
 
 def test_immutable_fields_cannot_change(cluster):

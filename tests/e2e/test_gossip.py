@@ -56,7 +56,7 @@ class SimulatedNode:
 
 def _inference_node(name: str) -> dict:
     return {"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode", "metadata": {"name": name},
-            "spec": {"nodeName": "gpu-node-0", "models": [{"name": "m", "source": "/models/m"}],
+            "spec": {"nodeName": "gpu-node-0", "models": [{"name": "m", "source": {"path": "/models/m"}}],
                      "gossip": {"heartbeatSeconds": 1, "staleAfterSeconds": 3, "maxPatchesPerSecond": 5,
                                 "memoryStep": 0.05}}}
 

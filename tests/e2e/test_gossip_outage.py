@@ -100,7 +100,7 @@ def test_publisher_and_watcher_survive_an_api_server_outage(cluster, tmp_path):
     name = f"gossip-outage-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump({
         "apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode", "metadata": {"name": name},
-        "spec": {"nodeName": "gpu-node-0", "models": [{"name": "m", "source": "/m"}],
+        "spec": {"nodeName": "gpu-node-0", "models": [{"name": "m", "source": {"path": "/m"}}],
                  "gossip": {"heartbeatSeconds": 1, "staleAfterSeconds": 30}}}))
     source = SimulatedGpuSource.constant(0.5)
     recording = RecordingSource(source)

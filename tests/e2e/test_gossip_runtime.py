@@ -32,7 +32,7 @@ def test_runtime_process_publishes_its_gpu_map(cluster, tmp_path):
     name = f"gossip-rt-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump({
         "apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode", "metadata": {"name": name},
-        "spec": {"nodeName": "gpu-node-0", "models": [{"name": "synthetic", "source": "/m"}],
+        "spec": {"nodeName": "gpu-node-0", "models": [{"name": "synthetic", "source": {"path": "/m"}}],
                  "gossip": {"heartbeatSeconds": 2, "staleAfterSeconds": 10, "maxPatchesPerSecond": 5},
                  "audit": {"electricityPricePerKWh": "0.36"}}}))
     scenario = tmp_path / "climb.yaml"

@@ -25,7 +25,7 @@ def test_runtime_in_cluster_follows_tenant_quotas_and_secrets(cluster, tmp_path)
     node, tenant, secret = f"incluster-{suffix}", f"t-{suffix}", f"keys-{suffix}"
     _apply(cluster, {"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode", "metadata": {"name": node},
                      "spec": {"nodeName": "gpu-node-0", "runtime": {"engine": "synthetic", "port": 18443},
-                              "models": [{"name": "synth-e2e", "source": "/none"}]}})
+                              "models": [{"name": "synth-e2e", "source": {"path": "/none"}}]}})
     _apply(cluster, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": "default"},
                      "stringData": {"api-keys": "sk-e2e-one\n"}})
     _apply(cluster, {"apiVersion": "zerolayer.io/v1alpha1", "kind": "TenantQuota", "metadata": {"name": tenant},
