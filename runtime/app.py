@@ -29,7 +29,7 @@ from zerolayer import contract
 from zerolayer.contract import ERRORS, ErrorCode, Priority
 from zerolayer.runtime.api import anthropic, openai
 from zerolayer.runtime.api.common import ChatRequest, dumps
-from zerolayer.runtime.engine.base import Engine, SamplingOptions
+from zerolayer.runtime.engine.base import Engine, InputRejected, SamplingOptions
 from zerolayer.runtime.errors import EngineError, RequestRefused
 from zerolayer.runtime.headers import RequestContract, parse_contract
 from zerolayer.runtime.limits import Limits
@@ -259,10 +259,14 @@ class Application:
             await self._generate(channel, route, stream, body)
         except RequestRefused as refused:
             await self._fail(channel, route, stream, refused)
+        except InputRejected as exc:
+            await self._fail(channel, route, stream, RequestRefused(ErrorCode.INVALID_REQUEST, str(exc),
+                                                                     reason="input_rejected"))
         except EngineError as exc:
+            # The engine's own text stays in the log: it may name internals (paths, other requests).
             log.warning("engine error on %s: %s", stream.key, exc)
-            await self._fail(channel, route, stream, RequestRefused(ErrorCode.INTERNAL_ERROR, str(exc),
-                                                                     reason="engine"))
+            await self._fail(channel, route, stream, RequestRefused(
+                ErrorCode.INTERNAL_ERROR, "the engine failed on this request", reason="engine"))
         except asyncio.CancelledError:
             if stream.preempted is None:
                 raise  # the client went away or the connection closed: nobody to answer
@@ -285,6 +289,7 @@ class Application:
         if request.priority is not None and not stream.contract.priority_given:
             priority = Priority.parse(request.priority)
         prompt = await self.engine.render(request.model, request.messages)
+        self._check_context(request, prompt.token_count)
         stream.prompt_tokens = prompt.token_count
         stream.ticket = dataclasses.replace(stream.ticket, model=request.model, priority=priority,
                                             prompt_tokens=prompt.token_count, max_tokens=request.max_tokens)
@@ -314,6 +319,21 @@ class Application:
             await self._complete(channel, route, stream, request, deltas, head)
         self.metrics.tokens.labels(tenant, "completion").inc(stream.output_tokens)
         stream.engine_request = None  # finished: nothing to abort
+
+    def _check_context(self, request: ChatRequest, prompt_tokens: int) -> None:
+        """A prompt that fills the model's context, or a ``max_tokens`` beyond it, is the client's
+        mistake (400), not an engine failure: say so before any engine work starts."""
+        context = getattr(self.engine, "max_model_len", None)
+        if not context:
+            return
+        if prompt_tokens >= context:
+            raise RequestRefused(ErrorCode.INVALID_REQUEST,
+                                 f"the prompt is {prompt_tokens} tokens; {request.model} takes at most {context} "
+                                 "tokens of prompt and output together", reason="prompt_too_long")
+        if request.max_tokens > context:
+            raise RequestRefused(ErrorCode.INVALID_REQUEST,
+                                 f"max_tokens {request.max_tokens} is more than {request.model}'s context of "
+                                 f"{context} tokens", reason="max_tokens_over_context")
 
     async def _complete(self, channel, route, stream, request, deltas, head) -> None:  # type: ignore[no-untyped-def]
         parts: list[str] = []

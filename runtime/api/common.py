@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from zerolayer.contract import ErrorCode
@@ -29,14 +30,42 @@ def invalid(message: str) -> RequestRefused:
     return RequestRefused(ErrorCode.INVALID_REQUEST, message, reason="invalid_body")
 
 
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way a lone surrogate gets into a str.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def load_json(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or INVALID_REQUEST: bad JSON, nesting deeper than the parser
+    allows, or a lone surrogate escape (valid JSON, but not Unicode: it cannot be encoded)."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise invalid("body is nested too deeply") from None
     if not isinstance(data, dict):
         raise invalid("body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body) and not _encodable(data):
+        raise invalid("body contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not text")
     return data
+
+
+def _encodable(data: Any) -> bool:
+    """Every string (keys too) encodes as UTF-8. Iterative: the parser already allowed deep nesting."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
 
 
 def text_of(content: Any, where: str) -> str:

@@ -12,6 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import AsyncIterator, Protocol, Sequence
 
+from zerolayer.runtime.errors import EngineError
+
+
+class InputRejected(EngineError):
+    """The engine refuses this request's input (a chat template that rejects the messages, text
+    that cannot be tokenized): the client's mistake, answered 400 INVALID_REQUEST, not retried."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ChatMessage:

@@ -34,6 +34,7 @@ class SyntheticEngine:
         ttft_s: float = 0.0,
         tokens_per_second: float | None = None,
         kv_capacity_tokens: int = 65536,
+        max_model_len: int | None = None,
     ) -> None:
         if not models:
             raise EngineError("the synthetic engine needs at least one model name")
@@ -42,6 +43,7 @@ class SyntheticEngine:
         self.ttft_s = ttft_s
         self.tokens_per_second = tokens_per_second
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.max_model_len = max_model_len  # context size (prompt + output) in tokens; None: unbounded
         self._held: dict[str, int] = {}  # request_id -> tokens in the modelled KV cache
         self._aborted: set[str] = set()
         self._started = False

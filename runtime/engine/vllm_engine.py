@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any, AsyncIterator, Sequence
 
-from zerolayer.runtime.engine.base import ChatMessage, Delta, EngineStats, Prompt, SamplingOptions
+from zerolayer.runtime.engine.base import ChatMessage, Delta, EngineStats, InputRejected, Prompt, SamplingOptions
 from zerolayer.runtime.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,17 @@ class ChildReaper:
             process.wait()
 
 
+def _is_template_error(exc: BaseException) -> bool:
+    """jinja2's TemplateError (``raise_exception`` in a chat template) or text that cannot be encoded."""
+    if isinstance(exc, UnicodeError):
+        return True
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:  # no jinja2, so no template could have raised one
+        return False
+    return isinstance(exc, TemplateError)
+
+
 class VllmEngine:
     kind = "vllm"
 
@@ -164,6 +175,7 @@ class VllmEngine:
             scheduling_policy="priority",
         )
         self._args.update(engine_args or {})
+        self.max_model_len = int(self._args["max_model_len"])  # the server refuses prompts that fill it (400)
         self._llm: Any = None
         self._tokenizer: Any = None
         self._stats = EngineStats(running=0, waiting=0, kv_cache_usage=0.0)
@@ -254,6 +266,10 @@ class VllmEngine:
         try:
             return await asyncio.to_thread(_render)
         except Exception as exc:  # jinja or tokenizer errors on odd input
+            if _is_template_error(exc):
+                # The template refused these messages (roles out of order, a system turn it does not
+                # take, ...): the client's mistake, not the engine's. Its text is the template's own.
+                raise InputRejected(f"the model's chat template refused the messages: {str(exc)[:200]}") from exc
             raise EngineError(f"chat template failed: {exc}") from exc
 
     async def generate(
