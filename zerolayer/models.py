@@ -13,7 +13,7 @@ so one pure module states the contract:
   ``<cache>/<cache_entry(repo, revision)>``. The server mounts exactly that entry.
 
 A ``source`` written as a bare string (the form before typed sources) means ``{path: ...}``:
-objects stored under the older CRD keep working (see docs/crds.md, "Migrating").
+objects stored under the older CRD keep working (docs/runtime.md, "Model sources").
 """
 
 from __future__ import annotations
