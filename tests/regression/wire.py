@@ -47,8 +47,10 @@ async def runtime(*, limits: Limits | None = None, max_concurrent_streams: int |
 class FakeSocket:
     """The slice of ``asyncio.Transport`` that Connection uses, recording what is written."""
 
-    def __init__(self, peer: tuple[str, int] = ("10.0.0.7", 40000)) -> None:
+    def __init__(self, peer: tuple[str, int] = ("10.0.0.7", 40000), high_water: int | None = None) -> None:
         self.protocol: Connection | None = None
+        self.high_water = high_water  # like a socket buffer: pause_writing() above it until take()
+        self.paused = False
         self.written = bytearray()
         self.closing = False
         self.lost = False
@@ -58,10 +60,17 @@ class FakeSocket:
     def write(self, data: bytes) -> None:
         if not self.closing:
             self.written += data
+        if self.high_water is not None and len(self.written) > self.high_water and not self.paused:
+            self.paused = True
+            assert self.protocol is not None
+            self.protocol.pause_writing()
 
     def take(self) -> bytes:
         data = bytes(self.written)
         self.written.clear()
+        if self.paused and self.protocol is not None:
+            self.paused = False
+            self.protocol.resume_writing()
         return data
 
     def is_closing(self) -> bool:
@@ -95,8 +104,9 @@ class FakeSocket:
         pass
 
 
-def connect(server: RuntimeServer, peer: tuple[str, int] = ("10.0.0.7", 40000)) -> tuple[Connection, FakeSocket]:
-    sock = FakeSocket(peer)
+def connect(server: RuntimeServer, peer: tuple[str, int] = ("10.0.0.7", 40000),
+            high_water: int | None = None) -> tuple[Connection, FakeSocket]:
+    sock = FakeSocket(peer, high_water)
     conn = Connection(server, tls=False)
     sock.protocol = conn
     conn.connection_made(sock)  # type: ignore[arg-type]
