@@ -25,8 +25,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from zerolayer.bpf.billing import PriceBook, bill
-from zerolayer.bpf.errors import AuditError, BpfUnavailable, CountersError
+from zerolayer.bpf.billing import PriceBook, Prices, bill, parse_decimal, prices_from_spec
+from zerolayer.bpf.errors import AuditError, BillingError, BpfUnavailable, CountersError
 from zerolayer.bpf.events import TokenEvent
 from zerolayer.bpf.store import NS, SqliteStore, minute_of, parse_counters
 
@@ -86,7 +86,9 @@ class Auditor:
                  settings: AuditorSettings | None = None, metrics: AuditorMetrics | None = None,
                  energy_source: Any = None, quota_writer: Any = None, prices: PriceBook | None = None,
                  clock: Callable[[], float] = time.monotonic, pids_from_spool: bool = False,
-                 mirror: Any = None) -> None:
+                 mirror: Any = None, energy_per_kwh: str = "0") -> None:
+        """``prices``: a fixed price book; None with a ``quota_writer``: the TenantQuotas' ``spec.prices``, read
+        again every status cycle (with ``energy_per_kwh``)."""
         self.store = store
         self.source = source
         self.spool = pathlib.Path(spool) if spool is not None else None
@@ -96,6 +98,8 @@ class Auditor:
         self.quota_writer = quota_writer
         self.mirror = mirror  # ClickHouseMirror or None
         self.prices = prices
+        self._prices_from_quotas = prices is None and quota_writer is not None
+        self._energy_per_kwh = parse_decimal(energy_per_kwh, "energy price") if self._prices_from_quotas else None
         self.clock = clock
         self.stopping = threading.Event()
         self.pids_from_spool = pids_from_spool and hasattr(source, "add_pid") and self.spool is not None
@@ -294,17 +298,18 @@ class Auditor:
             log.info("pruned %d token events older than the retention", dropped)
 
     def publish_status(self) -> None:
+        """This node's usage into every TenantQuota's status (see bpf/kube.py): re-reads the TenantQuotas
+        (tenants created since, prices changed since) and the running totals; never rescans the history."""
+        from zerolayer.bpf.errors import QuotaStatusError
         from zerolayer.bpf.kube import usage_fields
 
-        from zerolayer.bpf.errors import QuotaStatusError
-
-        now = time.time()
         window = minute_of(time.time_ns())
         try:
-            if not self.quota_writer.names:
-                self.quota_writer.refresh()
+            quotas = self.quota_writer.refresh()
+            if self._prices_from_quotas:
+                self.prices = self._quota_prices(quotas)
             current = self.store.usage(window * NS)
-            totals = self.store.usage(0)
+            totals = self.store.usage_totals()
             book = self.prices or PriceBook({})
             costs: dict[str, Decimal] = {}
             for b in bill(totals, book):
@@ -323,7 +328,24 @@ class Auditor:
                                        for t, u in usage.items()})
         except QuotaStatusError as exc:
             log.warning("TenantQuota status not updated: %s", exc)
-        del now
+
+    def _quota_prices(self, quotas: Sequence[Any]) -> PriceBook:
+        """Prices from the TenantQuotas; an invalid one keeps that tenant's previous prices (and says so)."""
+        previous = self.prices.tenants if self.prices is not None else {}
+        tenants: dict[str, Prices] = {}
+        for q in quotas:
+            spec = q.get("spec") or {}
+            tenant = spec.get("tenant")
+            if not tenant:
+                continue
+            try:
+                tenants[str(tenant)] = prices_from_spec(spec.get("prices") or {}, f"TenantQuota "
+                                                        f"{(q.get('metadata') or {}).get('name')}.spec.prices")
+            except BillingError as exc:
+                log.warning("%s: keeping the previous prices", exc)
+                if str(tenant) in previous:
+                    tenants[str(tenant)] = previous[str(tenant)]
+        return PriceBook(tenants, self._energy_per_kwh or Decimal(0))
 
 
 def open_source(kind: str, *, spool: str | None, store: SqliteStore, ring_buffer_bytes: int,

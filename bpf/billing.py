@@ -48,7 +48,8 @@ class PriceBook:
         return self.tenants.get(tenant, Prices(self.currency))
 
 
-def _decimal(value: Any, where: str) -> Decimal:
+def parse_decimal(value: Any, where: str) -> Decimal:
+    """A non-negative finite decimal, or :class:`BillingError` naming ``where``."""
     try:
         d = Decimal(str(value))
     except decimal.InvalidOperation as exc:
@@ -61,8 +62,8 @@ def _decimal(value: Any, where: str) -> Decimal:
 def prices_from_spec(spec: Mapping[str, Any], where: str, default_currency: str = "USD") -> Prices:
     """``spec.prices`` of a TenantQuota (or one tenant entry of the price file)."""
     return Prices(str(spec.get("currency") or default_currency),
-                  _decimal(spec.get("inputPer1kTokens", "0"), f"{where}.inputPer1kTokens"),
-                  _decimal(spec.get("outputPer1kTokens", "0"), f"{where}.outputPer1kTokens"))
+                  parse_decimal(spec.get("inputPer1kTokens", "0"), f"{where}.inputPer1kTokens"),
+                  parse_decimal(spec.get("outputPer1kTokens", "0"), f"{where}.outputPer1kTokens"))
 
 
 def price_book_from_quotas(quotas: Iterable[Mapping[str, Any]], energy_per_kwh: str = "0") -> PriceBook:
@@ -71,7 +72,7 @@ def price_book_from_quotas(quotas: Iterable[Mapping[str, Any]], energy_per_kwh: 
         spec = q.get("spec") or {}
         name = (q.get("metadata") or {}).get("name", "?")
         tenants[str(spec["tenant"])] = prices_from_spec(spec.get("prices") or {}, f"TenantQuota {name}.spec.prices")
-    return PriceBook(tenants, _decimal(energy_per_kwh, "energy price"))
+    return PriceBook(tenants, parse_decimal(energy_per_kwh, "energy price"))
 
 
 def load_price_book(path: str | pathlib.Path) -> PriceBook:
@@ -84,7 +85,7 @@ def load_price_book(path: str | pathlib.Path) -> PriceBook:
     currency = str(data.get("currency", "USD"))
     tenants = {str(t): prices_from_spec(p or {}, f"{path}: tenants.{t}", currency)
                for t, p in (data.get("tenants") or {}).items()}
-    return PriceBook(tenants, _decimal(data.get("energyPerKwh", "0"), f"{path}: energyPerKwh"), currency)
+    return PriceBook(tenants, parse_decimal(data.get("energyPerKwh", "0"), f"{path}: energyPerKwh"), currency)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--clickhouse", metavar="URL",
                    help="mirror the audit tables to ClickHouse for the fleet (http://[user:pw@]host:8123/db)")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or os.uname().nodename,
-                   help="this node's name in ClickHouse rows (default: $NODE_NAME, else the host name)")
+                   help="this node's name in ClickHouse rows and its key under TenantQuota status.usage.nodes "
+                        "(default: $NODE_NAME, else the host name)")
     p.add_argument("--source", choices=("auto", "bpf", "journal"), default="auto",
                    help="bpf: the kernel path; journal: the in-process path; auto: bpf if it can run here")
     p.add_argument("--spool", help="the runtimes' --audit-spool directory (counters snapshots, journals)")
@@ -63,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--aggregate-retention", type=parse_duration, default=None, help="drop aggregates older than this")
     p.add_argument("--prices", help="price file (see docs/audit.md) for the cost in TenantQuota usage")
     p.add_argument("--tenant-quotas", action="store_true",
-                   help="read prices from TenantQuotas and publish status.usage (Kubernetes)")
+                   help="read prices from TenantQuotas (every status cycle) and publish status.usage (Kubernetes)")
     p.add_argument("--kubeconfig",
                    help="kubeconfig for --tenant-quotas and --pod (default: in-cluster, then ~/.kube/config)")
     p.add_argument("--status-interval", type=float, default=15.0,
@@ -200,7 +201,8 @@ def run_auditor(args: argparse.Namespace) -> int:
         if args.tenant_quotas:
             from zerolayer.bpf.kube import QuotaStatusWriter, TenantQuotaApi
 
-            writer = QuotaStatusWriter(TenantQuotaApi(args.kubeconfig), min_interval_s=args.status_interval)
+            writer = QuotaStatusWriter(TenantQuotaApi(args.kubeconfig), node=args.node_name,
+                                       min_interval_s=args.status_interval)
         mirror = None
         if args.clickhouse:
             from zerolayer.bpf.clickhouse import ClickHouseMirror, connect
@@ -210,8 +212,10 @@ def run_auditor(args: argparse.Namespace) -> int:
                                    detail_retention_s=args.retention, aggregate_retention_s=args.aggregate_retention,
                                    status_interval_s=args.status_interval)
         auditor = Auditor(store, source, spool=args.spool, settings=settings, energy_source=_energy_source(
-            args.gpu_source), quota_writer=writer, prices=_price_book(args), pids_from_spool=args.pids_from_spool,
-            mirror=mirror)
+            args.gpu_source), quota_writer=writer, pids_from_spool=args.pids_from_spool, mirror=mirror,
+            # with --tenant-quotas and no --prices: the TenantQuotas' prices, re-read every status cycle
+            prices=None if args.tenant_quotas and not args.prices else _price_book(args),
+            energy_per_kwh=args.energy_price_per_kwh)
     except AuditError as exc:
         print(f"zerolayer auditor: {exc}", file=sys.stderr)
         return 2

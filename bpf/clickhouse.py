@@ -5,6 +5,9 @@ multi-table transactions, so exactly-once stays where it is proven -- the node's
 and the mirror sends *final values*, never increments: every row carries a ``version`` and the
 tables are ``ReplacingMergeTree(version)``, so sending a minute again (after a crash, or because
 reconciliation changed it) replaces it instead of adding to it. Queries read with ``FINAL``.
+Which minutes to send: those the store marked changed since the last successful sync
+(``minute_changes``), however old -- late events and reconciliations land in old minutes. Versions
+only grow (never below the last one sent, even if the wall clock steps back).
 Per-event detail stays on the node under its retention; ClickHouse holds the aggregates.
 
 Client: ``clickhouse-connect`` (HTTP). Its errors become :class:`StoreError`.
@@ -43,7 +46,6 @@ ENERGY_COLUMNS = ["node", "minute", "gpu", "joules", "version"]
 RUNTIME_COLUMNS = ["node", "runtime_id", "pid", "hwm", "events", "pruned_seq", "counters_seq", "final", "version"]
 RECON_COLUMNS = ["node", "at_ns", "runtime_id", "tenant", "model", "counters_seq", "input_tokens", "output_tokens",
                  "events", "kind"]
-LOOKBACK_S = 600  # minutes this recent are re-sent every sync: late events and reconciliation land there
 
 
 def connect(url: str) -> Any:
@@ -76,21 +78,26 @@ class ClickHouseMirror:
             raise StoreError(f"cannot create the ClickHouse audit tables: {exc}") from exc
 
     def sync(self, store: SqliteStore, now_ns: int | None = None) -> int:
-        """Send minutes at or after the last synced one (less a lookback), and runtime state. Idempotent."""
+        """Send the minutes that changed since the last sync, new reconciliations and runtime state. Idempotent:
+        the cursors move only after every insert succeeded, so a failed sync is re-sent whole."""
         now_ns = time.time_ns() if now_ns is None else now_ns
-        since = max(0, int(store.state("clickhouse_synced_minute", "0") or 0) - LOOKBACK_S)
-        version = now_ns
         db = store.db
+        changed_after = int(store.state("clickhouse_change", "0") or 0)
+        recon_after = int(store.state("clickhouse_reconciliation", "0") or 0)
+        version = max(now_ns, int(store.state("clickhouse_version", "0") or 0) + 1)
+        (top,) = db.execute("SELECT coalesce(max(change), 0) FROM minute_changes").fetchone()
+        dirty = "SELECT minute FROM minute_changes WHERE change > ?"
         usage = [[self.node, *row, version] for row in db.execute(
             "SELECT minute, tenant, model, input_tokens, output_tokens, requests, events, reconciled_input, "
-            "reconciled_output FROM usage_minute WHERE minute >= ?", (since,))]
+            f"reconciled_output FROM usage_minute WHERE minute IN ({dirty})", (changed_after,))]
         energy = [[self.node, *row, version] for row in db.execute(
-            "SELECT minute, gpu, joules FROM energy_minute WHERE minute >= ?", (since,))]
+            f"SELECT minute, gpu, joules FROM energy_minute WHERE minute IN ({dirty})", (changed_after,))]
         runtimes = [[self.node, *row, version] for row in db.execute(
             "SELECT runtime_id, pid, hwm, events, pruned_seq, counters_seq, final FROM runtimes")]
-        recon = [[self.node, *row] for row in db.execute(
-            "SELECT at_ns, runtime_id, tenant, model, counters_seq, input_tokens, output_tokens, events, kind "
-            "FROM reconciliations WHERE at_ns >= ?", (since * NS,))]
+        recon_rows = db.execute(
+            "SELECT rowid, at_ns, runtime_id, tenant, model, counters_seq, input_tokens, output_tokens, events, kind "
+            "FROM reconciliations WHERE rowid > ? ORDER BY rowid", (recon_after,)).fetchall()
+        recon = [[self.node, *row[1:]] for row in recon_rows]
         try:
             for table, rows, columns in (("usage_minute", usage, USAGE_COLUMNS), ("energy_minute", energy,
                                          ENERGY_COLUMNS), ("runtimes", runtimes, RUNTIME_COLUMNS),
@@ -99,7 +106,8 @@ class ClickHouseMirror:
                     self.client.insert(table, rows, column_names=columns)
         except Exception as exc:
             raise StoreError(f"ClickHouse insert failed: {exc}") from exc
-        store.set_state({"clickhouse_synced_minute": str(now_ns // NS // 60 * 60)})
+        store.set_state({"clickhouse_change": str(top), "clickhouse_version": str(version),
+                         "clickhouse_reconciliation": str(recon_rows[-1][0] if recon_rows else recon_after)})
         return len(usage)
 
     def usage(self, since_ns: int, until_ns: int | None = None, tenant: str | None = None) -> list[UsageRow]:

@@ -26,5 +26,9 @@ class QuotaStatusError(AuditError):
     """TenantQuota status could not be read or written."""
 
 
+class QuotaStatusConflict(QuotaStatusError):
+    """A status patch's resourceVersion precondition failed: someone wrote the object in between."""
+
+
 class CountersError(AuditError):
     """A runtime's counters snapshot is not a well-formed document: it is skipped, never trusted."""

@@ -1,17 +1,26 @@
 """Every Kubernetes API call the auditor makes: read TenantQuotas, write their ``status.usage``, and
 look up a pod's UID for ``--pod``.
 
+Several nodes' auditors write the same cluster-scoped TenantQuota. Each keeps its own node's
+figures under ``status.usage.nodes.<node>`` (a merge patch touches only that key), and the
+top-level usage fields are the **fleet sum** over those entries, written in the same patch with
+the object's ``resourceVersion`` as a precondition: if another writer got in between, the patch
+is refused (409), the object is read again and the sum recomputed. Window fields
+(``tokensThisWindow``, ``requestsThisWindow``) add up only the entries of the current window.
+
 Writes are bounded: at most one status patch per tenant per ``min_interval_s``, and none when
-the usage did not change. Kubernetes errors become :class:`QuotaStatusError`.
+this node's usage did not change. Kubernetes errors become :class:`QuotaStatusError`.
 """
 
 from __future__ import annotations
 
 import datetime
+import decimal
 import logging
+from decimal import Decimal
 from typing import Any, Callable, Mapping
 
-from zerolayer.bpf.errors import AuditError, QuotaStatusError
+from zerolayer.bpf.errors import AuditError, QuotaStatusConflict, QuotaStatusError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +45,7 @@ def _load_config(kubeconfig: str | None) -> None:
 
 
 class TenantQuotaApi:
-    """The two calls the auditor needs, behind one small wrapper (tests substitute this class)."""
+    """The calls the auditor needs, behind one small wrapper (tests substitute this class)."""
 
     def __init__(self, kubeconfig: str | None = None) -> None:
         try:
@@ -53,10 +62,20 @@ class TenantQuotaApi:
         except Exception as exc:
             raise QuotaStatusError(f"cannot list TenantQuotas: {exc}") from exc
 
-    def patch_usage(self, name: str, usage: Mapping[str, Any]) -> None:
+    def get(self, name: str) -> dict[str, Any]:
         try:
-            self._api.patch_cluster_custom_object_status(GROUP, VERSION, PLURAL, name, {"status": {"usage": usage}})
+            return dict(self._api.get_cluster_custom_object(GROUP, VERSION, PLURAL, name))
         except Exception as exc:
+            raise QuotaStatusError(f"cannot read TenantQuota {name}: {exc}") from exc
+
+    def patch_status(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch on the status subresource; returns the object as written. A
+        ``metadata.resourceVersion`` in ``patch`` is a precondition (:class:`QuotaStatusConflict` on 409)."""
+        try:
+            return dict(self._api.patch_cluster_custom_object_status(GROUP, VERSION, PLURAL, name, dict(patch)))
+        except Exception as exc:
+            if getattr(exc, "status", None) == 409:
+                raise QuotaStatusConflict(f"TenantQuota {name} changed while its status was written") from exc
             raise QuotaStatusError(f"cannot patch TenantQuota {name} status: {exc}") from exc
 
 
@@ -77,40 +96,99 @@ def pod_uid(ref: str, kubeconfig: str | None = None) -> str:
 
 
 class QuotaStatusWriter:
-    """Publishes usage to ``TenantQuota.status.usage`` (field names from the CRD) at a bounded rate."""
+    """Publishes this node's usage to ``TenantQuota.status.usage.nodes.<node>`` and the fleet sum beside it."""
 
-    def __init__(self, api: Any, *, min_interval_s: float = 15.0, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, api: Any, *, node: str = "local", min_interval_s: float = 15.0,
+                 clock: Callable[[], float] | None = None, max_attempts: int = 3) -> None:
         import time
 
         self.api = api
+        self.node = node
         self.min_interval_s = min_interval_s
+        self.max_attempts = max_attempts
         self.clock = clock or time.time
         self._last: dict[str, tuple[float, tuple[Any, ...]]] = {}  # tenant -> (when, usage without lastUpdate)
+        self._quotas: dict[str, Mapping[str, Any]] = {}  # tenant -> TenantQuota as last read or written
         self.names: dict[str, str] = {}  # tenant -> TenantQuota name
         self.patches = 0
+        self.conflicts = 0
 
     def refresh(self) -> list[dict[str, Any]]:
+        """Read every TenantQuota (the auditor calls this every status cycle: new tenants, new prices)."""
         quotas = self.api.list()
-        self.names = {q["spec"]["tenant"]: q["metadata"]["name"] for q in quotas if q.get("spec", {}).get("tenant")}
+        self._quotas = {str(q["spec"]["tenant"]): q for q in quotas if (q.get("spec") or {}).get("tenant")}
+        self.names = {t: q["metadata"]["name"] for t, q in self._quotas.items()}
         return quotas
 
     def publish(self, usage: Mapping[str, Mapping[str, Any]]) -> int:
-        """``usage``: tenant -> CRD usage fields without ``lastUpdate``. Returns patches sent."""
+        """``usage``: tenant -> this node's CRD usage fields without ``lastUpdate``. Returns patches sent."""
         now = self.clock()
         sent = 0
         for tenant, fields in usage.items():
-            name = self.names.get(tenant)
-            if name is None:
+            quota = self._quotas.get(tenant)
+            if quota is None:
                 continue
             key = tuple(sorted(fields.items()))
             last = self._last.get(tenant)
             if last is not None and (now - last[0] < self.min_interval_s or last[1] == key):
                 continue
-            self.api.patch_usage(name, {**fields, "lastUpdate": _rfc3339(now)})
-            self._last[tenant] = (now, key)
-            sent += 1
+            if self._write(tenant, quota, {**fields, "lastUpdate": _rfc3339(now)}):
+                self._last[tenant] = (now, key)
+                sent += 1
         self.patches += sent
         return sent
+
+    def _write(self, tenant: str, quota: Mapping[str, Any], entry: Mapping[str, Any]) -> bool:
+        name = quota["metadata"]["name"]
+        for _ in range(self.max_attempts):
+            try:
+                written = self.api.patch_status(name, fleet_patch(quota, self.node, entry))
+            except QuotaStatusConflict:
+                self.conflicts += 1
+                quota = self.api.get(name)
+                continue
+            self._quotas[tenant] = written if isinstance(written, Mapping) and written.get("metadata") else quota
+            return True
+        log.warning("TenantQuota %s: status changed under us %d times in a row; trying again next cycle", name,
+                    self.max_attempts)
+        return False
+
+
+def fleet_patch(quota: Mapping[str, Any], node: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that sets this node's entry and the fleet sum, conditional on ``quota``'s version."""
+    usage = (quota.get("status") or {}).get("usage") or {}
+    nodes = dict(usage.get("nodes") or {}) if isinstance(usage.get("nodes"), Mapping) else {}
+    nodes[node] = dict(entry)
+    patch: dict[str, Any] = {"status": {"usage": {**fleet_sum(nodes, str(entry.get("windowStart", ""))),
+                                                  "lastUpdate": entry.get("lastUpdate"), "nodes": {node: dict(entry)}}}}
+    version = (quota.get("metadata") or {}).get("resourceVersion")
+    if version:
+        patch["metadata"] = {"resourceVersion": version}
+    return patch
+
+
+def fleet_sum(nodes: Mapping[str, Any], window_start: str) -> dict[str, Any]:
+    """Top-level usage fields from the per-node entries (entries of another window add no window figures)."""
+    def count(e: Mapping[str, Any], k: str) -> int:
+        v = e.get(k)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+    entries = [e for e in nodes.values() if isinstance(e, Mapping)]
+    current = [e for e in entries if e.get("windowStart") == window_start]
+    cost = Decimal(0)
+    for e in entries:
+        try:
+            value = Decimal(str(e.get("cost", "0")))
+        except decimal.InvalidOperation:
+            continue
+        if value.is_finite() and value >= 0:
+            cost += value
+    return {"windowStart": window_start,
+            "tokensThisWindow": sum(count(e, "tokensThisWindow") for e in current),
+            "requestsThisWindow": sum(count(e, "requestsThisWindow") for e in current),
+            "inputTokensTotal": sum(count(e, "inputTokensTotal") for e in entries),
+            "outputTokensTotal": sum(count(e, "outputTokensTotal") for e in entries),
+            "cost": str(cost)}
 
 
 def usage_fields(window_start: float, window_tokens: int, window_requests: int, input_total: int,

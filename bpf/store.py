@@ -4,7 +4,12 @@ Schema (the same tables in SQLite and ClickHouse, see :mod:`zerolayer.bpf.clickh
 
 ``token_events``   detail, one row per event, key ``(runtime_id, seq)``; pruned after the retention.
 ``usage_minute``   aggregates per (minute, tenant, model): tokens from events plus ``reconciled_*``
-                   tokens booked from the runtime's counters for events that never arrived.
+                   tokens booked from the runtime's counters for events that never arrived, and the
+                   row's ``energy_share`` as last folded into ``usage_total``.
+``usage_total``    running totals per (tenant, model) since the store began (the same figures as
+                   summing ``usage_minute``, with the energy share): status reads them, never rescans.
+``minute_changes`` per minute, the store's change counter when its usage or energy last changed:
+                   consumers (the totals' energy share, the ClickHouse mirror) keep a cursor into it.
 ``runtimes``       per runtime instance: high-water mark ``hwm`` (highest seq written), events
                    written, ``pruned_seq`` (detail below it was pruned), last counters seq reconciled.
 ``runtime_ledger`` per (runtime, tenant, model): cumulative booked and reconciled tokens -- what the
@@ -45,8 +50,18 @@ CREATE TABLE IF NOT EXISTS usage_minute (
     input_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0,
     requests INTEGER NOT NULL DEFAULT 0, events INTEGER NOT NULL DEFAULT 0,
     reconciled_input INTEGER NOT NULL DEFAULT 0, reconciled_output INTEGER NOT NULL DEFAULT 0,
+    energy_share REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (minute, tenant, model)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS usage_minute_tenant ON usage_minute (tenant, minute);
+CREATE TABLE IF NOT EXISTS usage_total (
+    tenant TEXT NOT NULL, model TEXT NOT NULL,
+    input_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0,
+    requests INTEGER NOT NULL DEFAULT 0, events INTEGER NOT NULL DEFAULT 0,
+    reconciled_input INTEGER NOT NULL DEFAULT 0, reconciled_output INTEGER NOT NULL DEFAULT 0,
+    energy_joules REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant, model)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS minute_changes (minute INTEGER PRIMARY KEY, change INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS minute_changes_change ON minute_changes (change);
 CREATE TABLE IF NOT EXISTS runtimes (
     runtime_id TEXT PRIMARY KEY, pid INTEGER NOT NULL DEFAULT 0, hwm INTEGER NOT NULL DEFAULT 0,
     events INTEGER NOT NULL DEFAULT 0, pruned_seq INTEGER NOT NULL DEFAULT 0,
@@ -80,6 +95,7 @@ class WriteResult:
 
 # Columns added after the first release: (table, column, definition) for stores created before them.
 MIGRATIONS = (
+    ("usage_minute", "energy_share", "REAL NOT NULL DEFAULT 0"),
     ("runtime_ledger", "held_input", "INTEGER NOT NULL DEFAULT 0"),
     ("runtime_ledger", "held_output", "INTEGER NOT NULL DEFAULT 0"),
     ("runtime_ledger", "held_events", "INTEGER NOT NULL DEFAULT 0"),
@@ -176,8 +192,13 @@ class SqliteStore:
             self.db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")  # a committed high-water mark survives power loss
+            had_totals = self.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='usage_total'").fetchone() is not None
             self.db.executescript(SCHEMA)
             self._migrate()
+            if not had_totals:
+                self._backfill_totals()
+            (self._change,) = self.db.execute("SELECT coalesce(max(change), 0) FROM minute_changes").fetchone()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open audit store {self.path}: {exc}") from exc
 
@@ -185,6 +206,28 @@ class SqliteStore:
         for table, column, definition in MIGRATIONS:
             if column not in {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}:
                 self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+
+    def _backfill_totals(self) -> None:
+        """A store from before the running totals: sum its minutes once and mark them all changed."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("INSERT INTO usage_total (tenant, model, input_tokens, output_tokens, requests, events, "
+                       "reconciled_input, reconciled_output) SELECT tenant, model, sum(input_tokens), "
+                       "sum(output_tokens), sum(requests), sum(events), sum(reconciled_input), sum(reconciled_output) "
+                       "FROM usage_minute GROUP BY tenant, model")
+            db.execute("INSERT OR REPLACE INTO minute_changes SELECT minute, 1 FROM usage_minute "
+                       "UNION SELECT minute, 1 FROM energy_minute")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def _mark_changed(self, minutes: Iterable[int]) -> None:
+        """Inside a transaction: these minutes' usage or energy changed."""
+        self._change += 1
+        self.db.executemany("INSERT INTO minute_changes VALUES (?, ?) ON CONFLICT (minute) DO UPDATE SET "
+                            "change = excluded.change", [(m, self._change) for m in set(minutes)])
 
     def close(self) -> None:
         self.db.close()
@@ -275,6 +318,23 @@ class SqliteStore:
                 "output_tokens = output_tokens + excluded.output_tokens, "
                 "requests = requests + excluded.requests, events = events + excluded.events",
                 [(*k, *v) for k, v in usage.items()])
+            totals: dict[tuple[str, str], list[int]] = {}
+            for (_minute, tenant, model), v in usage.items():
+                t = totals.get((tenant, model))
+                if t is None:
+                    totals[(tenant, model)] = list(v)
+                else:
+                    for k in range(4):
+                        t[k] += v[k]
+            db.executemany(
+                "INSERT INTO usage_total (tenant, model, input_tokens, output_tokens, requests, events) "
+                "VALUES (?,?,?,?,?,?) ON CONFLICT (tenant, model) DO UPDATE SET "
+                "input_tokens = input_tokens + excluded.input_tokens, "
+                "output_tokens = output_tokens + excluded.output_tokens, "
+                "requests = requests + excluded.requests, events = events + excluded.events",
+                [(*k, *v) for k, v in totals.items()])
+            if usage:
+                self._mark_changed(k[0] for k in usage)
             db.executemany(
                 "INSERT INTO runtime_ledger (runtime_id, tenant, model, input_tokens, output_tokens, events, requests) "
                 "VALUES (?,?,?,?,?,?,?) ON CONFLICT (runtime_id, tenant, model) DO UPDATE SET "
@@ -360,6 +420,12 @@ class SqliteStore:
                         "reconciled_input = reconciled_input + excluded.reconciled_input, "
                         "reconciled_output = reconciled_output + excluded.reconciled_output",
                         (minute, *key, b_in, b_out))
+                    db.execute(
+                        "INSERT INTO usage_total (tenant, model, reconciled_input, reconciled_output) VALUES (?,?,?,?) "
+                        "ON CONFLICT (tenant, model) DO UPDATE SET "
+                        "reconciled_input = reconciled_input + excluded.reconciled_input, "
+                        "reconciled_output = reconciled_output + excluded.reconciled_output", (*key, b_in, b_out))
+                    self._mark_changed((minute,))
                 if held != tuple(lg[6:9]) or b_in or b_out or b_ev:
                     db.execute(
                         "INSERT INTO runtime_ledger (runtime_id, tenant, model, reconciled_input, reconciled_output, "
@@ -398,8 +464,15 @@ class SqliteStore:
 
     def add_energy(self, minute: int, gpu: str, joules: float) -> None:
         try:
-            self.db.execute("INSERT INTO energy_minute VALUES (?,?,?) ON CONFLICT (minute, gpu) DO UPDATE SET "
-                            "joules = joules + excluded.joules", (minute, gpu, joules))
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute("INSERT INTO energy_minute VALUES (?,?,?) ON CONFLICT (minute, gpu) DO UPDATE SET "
+                                "joules = joules + excluded.joules", (minute, gpu, joules))
+                self._mark_changed((minute,))
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
         except sqlite3.Error as exc:
             raise StoreError(f"audit store energy write failed: {exc}") from exc
 
@@ -422,6 +495,8 @@ class SqliteStore:
                 if aggregates_before_ns is not None:
                     db.execute("DELETE FROM usage_minute WHERE minute < ?", (aggregates_before_ns // NS,))
                     db.execute("DELETE FROM energy_minute WHERE minute < ?", (aggregates_before_ns // NS,))
+                    # running totals keep what the dropped minutes counted (totals are "since the start")
+                    db.execute("DELETE FROM minute_changes WHERE minute < ?", (aggregates_before_ns // NS,))
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
@@ -455,6 +530,49 @@ class SqliteStore:
         except sqlite3.Error as exc:
             raise StoreError(f"audit store query failed: {exc}") from exc
         return aggregate_usage(rows, energy, tenant)
+
+    def usage_totals(self, tenant: str | None = None) -> list[UsageRow]:
+        """Usage per (tenant, model) since the store began: what ``usage(0)`` returns, read from the running
+        totals. Folds in the energy share of the minutes changed since the last call (not the history)."""
+        try:
+            self._fold_energy()
+            sql = ("SELECT tenant, model, input_tokens, output_tokens, requests, events, reconciled_input, "
+                   "reconciled_output, energy_joules FROM usage_total")
+            rows = self.db.execute(sql + " WHERE tenant=? ORDER BY model", (tenant,)) if tenant is not None else \
+                self.db.execute(sql + " ORDER BY tenant, model")
+            return [UsageRow(*r) for r in rows]
+        except sqlite3.Error as exc:
+            raise StoreError(f"audit store query failed: {exc}") from exc
+
+    def _fold_energy(self) -> None:
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            cursor = int(self.state("totals_change", "0") or 0)
+            dirty = db.execute("SELECT minute, change FROM minute_changes WHERE change > ?", (cursor,)).fetchall()
+            shares, deltas = [], {}
+            for minute, _ in dirty:
+                (energy,) = db.execute("SELECT coalesce(sum(joules), 0) FROM energy_minute WHERE minute=?",
+                                       (minute,)).fetchone()
+                rows = db.execute("SELECT tenant, model, input_tokens + output_tokens + reconciled_input + "
+                                  "reconciled_output, energy_share FROM usage_minute WHERE minute=?",
+                                  (minute,)).fetchall()
+                total = sum(r[2] for r in rows)
+                for tenant, model, tokens, old in rows:
+                    new = energy * tokens / total if total else 0.0  # the same split as aggregate_usage
+                    if new != old:
+                        shares.append((new, minute, tenant, model))
+                        deltas[(tenant, model)] = deltas.get((tenant, model), 0.0) + new - old
+            db.executemany("UPDATE usage_minute SET energy_share=? WHERE minute=? AND tenant=? AND model=?", shares)
+            db.executemany("UPDATE usage_total SET energy_joules = energy_joules + ? WHERE tenant=? AND model=?",
+                           [(d, *k) for k, d in deltas.items()])
+            if dirty:
+                db.execute("INSERT OR REPLACE INTO auditor_state VALUES ('totals_change', ?)",
+                           (str(max(c for _, c in dirty)),))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
     def totals(self) -> dict[str, Any]:
         """Whole-store figures for status and tests: events, duplicates impossible by key, gaps, ledger."""

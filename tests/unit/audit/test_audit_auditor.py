@@ -74,8 +74,12 @@ class RecordingTenantQuotaApi:
     def list(self) -> list[dict[str, Any]]:
         return [{"metadata": {"name": "acme-quota"}, "spec": {"tenant": "acme"}}]
 
-    def patch_usage(self, name: str, usage: dict[str, Any]) -> None:
-        self.patches.append((name, usage))
+    def get(self, name: str) -> dict[str, Any]:
+        return self.list()[0]
+
+    def patch_status(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        self.patches.append((name, patch["status"]["usage"]))
+        return {}
 
 
 def test_quota_status_writes_are_bounded_and_change_driven():
@@ -107,8 +111,10 @@ def test_auditor_publishes_crd_usage_fields(tmp_path):
     auditor.publish_status()
     ((name, usage),) = api.patches
     assert name == "acme-quota"
-    assert set(usage) == {"windowStart", "tokensThisWindow", "requestsThisWindow", "inputTokensTotal",
-                          "outputTokensTotal", "cost", "lastUpdate"}
+    fields = {"windowStart", "tokensThisWindow", "requestsThisWindow", "inputTokensTotal", "outputTokensTotal",
+              "cost", "lastUpdate"}
+    assert set(usage) == fields | {"nodes"}  # the fleet sum, and this node's own entry
+    assert set(usage["nodes"]["local"]) == fields
     assert (usage["inputTokensTotal"], usage["outputTokensTotal"], usage["requestsThisWindow"]) == (12, 30, 1)
     probe.close()
 
