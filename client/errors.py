@@ -45,6 +45,7 @@ class APIError(ZerolayerError):
         processed: ``False`` certainly not started, ``None`` unknown, ``True`` started.
         tokens_delivered: output tokens the caller already received on this attempt (streams).
         body: the decoded JSON error body, if there was one.
+        should_retry: the server's ``x-should-retry`` (``False``: retrying cannot help), ``None`` if absent.
     """
 
     code: ErrorCode | None = None
@@ -62,6 +63,7 @@ class APIError(ZerolayerError):
         processed: bool | None = True,
         tokens_delivered: int = 0,
         body: object = None,
+        should_retry: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -75,6 +77,7 @@ class APIError(ZerolayerError):
         self.processed = processed
         self.tokens_delivered = tokens_delivered
         self.body = body
+        self.should_retry = should_retry
 
     def __str__(self) -> str:
         parts = [self.message]

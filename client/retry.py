@@ -11,10 +11,13 @@ GPU_OOM                     at once, ``max_tokens`` halved (stop when it would r
 DEADLINE_EXCEEDED           after jittered backoff, lighter model hint, doubled deadline
 REFUSED_STREAM,             on a suggested alternative at once, else after ``retry-after``
 RESOURCE_EXHAUSTED,         (or jittered backoff); a ``retry-after`` longer than
-MODEL_UNAVAILABLE,          ``max_delay_s`` is not waited for: the error is raised
-RATE_LIMITED
+MODEL_UNAVAILABLE           ``max_delay_s`` is not waited for: the error is raised
+RATE_LIMITED                on the *same* node after ``retry-after`` (quotas are per node:
+                            another node would multiply the tenant's quota), never elsewhere
 INTERNAL_ERROR              after jittered backoff, on another node when there is one
 connection refused          at once, on another node
+``x-should-retry: false``   raised, unless a row above changes the request (e.g.
+                            ``request_too_large``: no unchanged retry can pass)
 anything else               raised
 ==========================  ===============================================================
 
@@ -150,9 +153,19 @@ class RetryPolicy:
             deadline = min(attempt.deadline_s * 2, MAX_DEADLINE_S) if attempt.deadline_s is not None else None
             nxt = dataclasses.replace(nxt, model_hint=hint, deadline_s=deadline)
             return RetryDecision(self.backoff(attempt.number), nxt, avoid_same_node=False, reason="deadline")
-        if isinstance(
-            error, (errors.StreamRefused, errors.ResourceExhausted, errors.ModelUnavailable, errors.RateLimitError)
-        ):
+        if error.should_retry is False:
+            # The server says the same request cannot pass (e.g. request_too_large). The two cases
+            # above retry a *changed* request, so only from here on does it apply.
+            return None
+        if isinstance(error, errors.RateLimitError):
+            # The quota that refused is this node's: retrying elsewhere would spend another node's
+            # quota for the same tenant. Same node, after its retry-after; alternatives are ignored.
+            delay = self.honour(error.retry_after, attempt.number)
+            if delay is None:
+                return None
+            return RetryDecision(delay, nxt, prefer=(error.endpoint,) if error.endpoint else (),
+                                 avoid_same_node=False, reason="rate_limited")
+        if isinstance(error, (errors.StreamRefused, errors.ResourceExhausted, errors.ModelUnavailable)):
             if error.alternatives:
                 return RetryDecision(0.0, nxt, prefer=error.alternatives, reason="refused_alternative")
             delay = self.honour(error.retry_after, attempt.number)

@@ -2,7 +2,9 @@
 
 :class:`Router` answers "where does this attempt go?":
 
-1. the alternatives a refusing node suggested, if any is usable;
+1. the alternatives a refusing node suggested, if any is usable and is a node of the map
+   or the configured fallback (matched by host and port; the map's own URL is used, so a
+   suggestion can neither send the tenant's key to a stranger nor downgrade https);
 2. otherwise the session's node on the consistent-hash ring of nodes that are fresh
    (heartbeat younger than ``stale_after_s``) and admitting;
 3. if that node's circuit is open: the configured fallback endpoint, or without one the
@@ -22,6 +24,7 @@ import dataclasses
 import enum
 import threading
 import time
+import urllib.parse
 from typing import Callable, Sequence
 
 from . import errors
@@ -116,6 +119,18 @@ def counts_against_node(error: errors.APIError) -> bool:
     )
 
 
+def _host_port(url: str) -> tuple[str, int | None]:
+    """``(host, port)`` of a base URL, the port defaulted from the scheme (``http://a`` = ``a:80``)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        return (parts.netloc.lower(), None)
+    if port is None:
+        port = {"http": 80, "https": 443}.get(parts.scheme)
+    return ((parts.hostname or "").lower(), port)
+
+
 class Router:
     """Chooses an endpoint per attempt and keeps one circuit breaker per endpoint."""
 
@@ -171,6 +186,21 @@ class Router:
             emit(self.listener, CircuitHalfOpen(endpoint))
         return allowed
 
+    def trusted(self, suggested: str) -> str | None:
+        """The endpoint to use for an alternative a server suggested, or None to ignore it.
+
+        Only nodes of the current node map and the configured fallback are trusted (anyone who
+        can alter a response could otherwise collect API keys), matched by host and port, and the
+        endpoint used is the map's own, so an ``http://`` or bare ``host:port`` suggestion never
+        downgrades an ``https`` node to cleartext.
+        """
+        wanted = _host_port(normalise_endpoint(suggested))
+        known = [n.endpoint for n in self.node_map.nodes()] + ([self.fallback] if self.fallback else [])
+        for endpoint in known:
+            if _host_port(endpoint) == wanted:
+                return endpoint
+        return None
+
     def choose(self, session: str, *, failed: Sequence[str] = (), prefer: Sequence[str] = ()) -> Target:
         """The endpoint for the next attempt of a request in ``session``.
 
@@ -179,8 +209,10 @@ class Router:
         """
         now = self._clock()
         tried = set(failed)
-        for endpoint in prefer:
-            endpoint = normalise_endpoint(endpoint)
+        for suggested in prefer:
+            endpoint = self.trusted(suggested)
+            if endpoint is None:
+                continue  # not a node we know: never send the tenant's key there
             if endpoint not in tried and self.breaker(endpoint).available(now) and self._take(endpoint):
                 return Target(endpoint, None, "alternative")
 

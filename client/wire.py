@@ -53,7 +53,7 @@ class RequestContract:
     ``model_hint=None`` sends the request's own ``model`` as the hint.
     """
 
-    api_key: str
+    api_key: str = dataclasses.field(repr=False)  # never in logs, tracebacks or debuggers
     priority: Priority = Priority.NORMAL
     session: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     model_hint: str | None = None
@@ -224,7 +224,14 @@ def error_from_response(
         request_id=lower.get(contract.REQUEST_ID),
         processed=False if code in _REFUSAL_CODES else True,
         body=decoded,
+        should_retry=parse_should_retry(lower),
     )
+
+
+def parse_should_retry(headers: Mapping[str, str]) -> bool | None:
+    """The server's ``x-should-retry`` (both official SDKs obey it too); None when absent."""
+    value = {k.lower(): v for k, v in headers.items()}.get("x-should-retry", "").strip().lower()
+    return {"true": True, "false": False}.get(value)
 
 
 def error_from_sse(

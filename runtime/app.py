@@ -492,8 +492,11 @@ class Application:
             endpoints = self.alternatives(session)
             if endpoints:
                 headers = {**headers, contract.ALTERNATIVES: endpoints}
+        # A request bigger than the tenant's whole per-minute quota can never pass, here or on any node:
+        # a fixed status marks it not retryable (x-should-retry: false, no retry-after).
+        fixed_status = ERRORS[code].http_status if admission.reason == "request_too_large" else None
         return RequestRefused(code, admission.message or code.value, reason=admission.reason or "scheduler",
-                              retry_after_s=admission.retry_after_s, headers=headers)
+                              retry_after_s=admission.retry_after_s, headers=headers, http_status=fixed_status)
 
     def _reject(self, api: str, refused: RequestRefused, route: str) -> Reject:
         self.metrics.refusals.labels(refused.code.value, refused.reason).inc()

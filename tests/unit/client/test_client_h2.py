@@ -205,7 +205,7 @@ def test_deadline_exceeded_retries_lighter_with_double_deadline(peer):
 def test_refusal_alternatives_are_followed(peers, fast_policy):
     busy, spare = peers(), peers()
     busy.handler = lambda req: error(529, "RESOURCE_EXHAUSTED", {contract.ALTERNATIVES: spare.url, "retry-after": "5"})
-    with client(busy, fast_policy) as c:
+    with client(busy, fast_policy, fallback_url=spare.url) as c:  # alternatives must be nodes the SDK knows
         message = c.messages.create(model="tiny", max_tokens=4, messages=HI)
     assert message.endpoint == spare.url and len(busy.requests) == 1 and len(spare.requests) == 1
 

@@ -72,7 +72,7 @@ def test_session_affinity_and_failover_within_a_request():
 
 
 def test_alternatives_are_followed_first():
-    router, *_ = nodes_router([Node("a", "http://a")])
+    router, *_ = nodes_router([Node("a", "http://a"), Node("n9", "http://n9:8080")])
     t = router.choose("s", failed=["http://a"], prefer=["n9:8080"])
     assert (t.endpoint, t.via) == ("http://n9:8080", "alternative")
 
