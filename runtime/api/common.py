@@ -91,14 +91,24 @@ def number(data: dict[str, Any], key: str, default: float, lo: float, hi: float)
     return float(value)
 
 
+# Stop sequences are matched on every generated token in the shared engine: bounded, so one
+# tenant's request cannot make every step slower for everyone (docs/security.md, finding 26).
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCE_CHARS = 256
+
+
 def stops(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return tuple(value)
-    raise invalid("stop sequences must be a string or a list of strings")
+        value = [value]
+    if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        raise invalid("stop sequences must be a string or a list of strings")
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise invalid(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(value)}")
+    if any(len(s) > MAX_STOP_SEQUENCE_CHARS for s in value):
+        raise invalid(f"a stop sequence may be at most {MAX_STOP_SEQUENCE_CHARS} characters")
+    return tuple(value)
 
 
 def dumps(obj: Any) -> bytes:
