@@ -97,8 +97,12 @@ class JournalSource:
             return []  # deleted by us after its last commit, or by the runtime's cleanup
         except OSError as exc:
             raise AuditError(f"cannot read journal {path}: {exc}") from exc
-        bad = corrupt_offset(data)
-        batch, used = decode_records(data if bad is None else data[:bad])
+        bad = None
+        try:
+            batch, used = decode_records(data)
+        except ValueError:  # only now look for where the damage starts (the common path decodes once)
+            bad = corrupt_offset(data) or 0
+            batch, used = decode_records(data[:bad])
         position = offset + used
         if bad is not None:
             self._skip(name, position, size, f"corrupt record at byte {position}")
