@@ -336,6 +336,16 @@ class Application:
                                  f"{context} tokens", reason="max_tokens_over_context")
 
     async def _complete(self, channel, route, stream, request, deltas, head) -> None:  # type: ignore[no-untyped-def]
+        rid = stream.engine_request
+        try:
+            await self._complete_unmetered(channel, route, stream, request, deltas, head)
+        finally:
+            # Metered once however it ends: answered, cancelled by the client or the scheduler, or
+            # failed. The engine did the prefill and the tokens generated so far either way.
+            if self.token_sink is not None:
+                self.token_sink(stream.tenant.name, rid, request.model, stream.prompt_tokens, stream.output_tokens, True)
+
+    async def _complete_unmetered(self, channel, route, stream, request, deltas, head) -> None:  # type: ignore[no-untyped-def]
         parts: list[str] = []
         finish = "stop"
         async for delta in deltas:
@@ -354,8 +364,6 @@ class Application:
             body = openai.completion(rid, int(time.time()), request.model, text, openai.FINISH_REASONS.get(finish, "stop"),
                                      openai.usage(stream.prompt_tokens, stream.output_tokens))
         await self._respond(channel, 200, [("content-type", "application/json"), *head], dumps(body), route.name)
-        if self.token_sink is not None:
-            self.token_sink(stream.tenant.name, rid, request.model, stream.prompt_tokens, stream.output_tokens, True)
 
     async def _stream(self, channel, route, stream, request, deltas, head) -> None:  # type: ignore[no-untyped-def]
         rid = stream.engine_request
