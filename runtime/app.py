@@ -136,6 +136,8 @@ class Application:
         self.draining = False
         self.engine_requests_started = 0  # every generate() call; tests assert resets never start work
         self.created = int(time.time())
+        self._models_document: bytes | None = None
+        self._map_cache: tuple[float, bytes | None] | None = None  # (rendered at, document)
 
     # ------------------------------------------------------------------ HEADERS time
     def gate(self, conn_id: int, head: RequestHead) -> Accept | Reject:
@@ -216,8 +218,8 @@ class Application:
                 body = self.metrics.render() + self.render_extra_metrics()
                 await self._respond(channel, 200, [("content-type", "text/plain; version=0.0.4")], body, route.name)
             elif route.name == "models":
-                await self._respond(channel, 200, [("content-type", "application/json")],
-                                    openai.models(list(self.engine.models), self.created), route.name)
+                await self._respond(channel, 200, [("content-type", "application/json")], self.models_document(),
+                                    route.name)
             elif route.name == "map":
                 await self._serve_map(channel)
             else:
@@ -233,8 +235,24 @@ class Application:
             else:
                 channel.reset(ERRORS[ErrorCode.INTERNAL_ERROR].rst_code)
 
+    def models_document(self) -> bytes:
+        """The body of GET /v1/models, built once: the served models do not change while running."""
+        if self._models_document is None:
+            self._models_document = openai.models(list(self.engine.models), self.created)
+        return self._models_document
+
+    def _map_snapshot(self) -> bytes | None:
+        """The map document, rendered at most once per ``limits.map_cache_s`` (the gossip sample
+        period is seconds): a tenant polling the map costs a write, not a fleet serialisation."""
+        now = self.clock()
+        cached = self._map_cache
+        if cached is None or now - cached[0] >= self.limits.map_cache_s:
+            document = self.map_document() if self.map_document is not None else None
+            self._map_cache = cached = (now, document)
+        return cached[1]
+
     async def _serve_map(self, channel: Channel) -> None:
-        document = self.map_document() if self.map_document is not None else None
+        document = self._map_snapshot()
         if document is None:
             refused = RequestRefused(ErrorCode.INVALID_REQUEST, "this node has no GPU map (gossip is off)",
                                      reason="no_map", http_status=404)

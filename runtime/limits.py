@@ -53,6 +53,8 @@ class Limits:
     # Request bodies buffered at once (accepted, not yet complete), in the process and per tenant.
     max_buffered_body_bytes: int = 512 * 1024 * 1024
     max_tenant_buffered_body_bytes: int = 64 * 1024 * 1024
+    # GET /v1/zerolayer/map serves one rendering of the fleet document for this long (finding 33).
+    map_cache_s: float = 1.0
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "Limits":
