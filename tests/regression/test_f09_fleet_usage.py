@@ -29,6 +29,7 @@ from zerolayer.bpf.journal import JournalSource
 from zerolayer.bpf.kube import QuotaStatusWriter
 from zerolayer.bpf.store import NS, SqliteStore, minute_of
 
+pytestmark = [pytest.mark.regression, pytest.mark.timeout(120)]
 NOW = time.time_ns()
 
 
@@ -182,9 +183,6 @@ def test_b_prices_are_reread_every_cycle(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- (c)
-chdb_session = pytest.importorskip("chdb.session", reason="chdb (in-process ClickHouse engine) is not installed")
-
-
 def literal(value: Any) -> str:
     if isinstance(value, str):
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -195,6 +193,7 @@ class ChdbClient:
     """clickhouse-connect's three calls on the in-process engine (as in tests/unit/audit)."""
 
     def __init__(self, path: str) -> None:
+        chdb_session = pytest.importorskip("chdb.session", reason="chdb (in-process ClickHouse engine) is not installed")
         self.session = chdb_session.Session(path)
 
     def command(self, sql: str) -> None:

@@ -21,7 +21,7 @@ from zerolayer.runtime.defrag.policy import DefragPolicy
 from zerolayer.runtime.defrag.scope import PidAllowlist
 from zerolayer.runtime.gpu.simulated import SimulatedGpuSource
 
-pytestmark = [pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.regression, pytest.mark.timeout(60)]
 
 GiB = 1024**3
 HANDLES = """

@@ -23,7 +23,7 @@ from zerolayer.bpf.journal import JournalSource
 from zerolayer.bpf.probes import TokenProbe
 from zerolayer.bpf.store import SqliteStore
 
-pytestmark = [pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.regression, pytest.mark.timeout(60)]
 
 
 def billed(store: SqliteStore) -> dict[str, int]:

@@ -15,7 +15,7 @@ import pytest
 from zerolayer.bpf.errors import BpfUnavailable
 from zerolayer.bpf.loader import check_kernel
 
-pytestmark = [pytest.mark.bpf, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.regression, pytest.mark.bpf, pytest.mark.timeout(120)]
 STEP_NS = 3600 * 1_000_000_000
 
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from zerolayer.bpf.auditor import Auditor
 from zerolayer.bpf.events import TokenEvent
 from zerolayer.bpf.journal import JournalSource
 from zerolayer.bpf.store import NS, SqliteStore
 
+pytestmark = [pytest.mark.regression, pytest.mark.timeout(60)]
 T0 = 1_800_000_000 * NS
 RID = 0xA
 
