@@ -36,7 +36,7 @@ from zerolayer.runtime.limits import Limits
 from zerolayer.runtime.metrics import RuntimeMetrics
 from zerolayer.runtime.protocol.events import Accept, Reject, RequestHead, RequestReady
 from zerolayer.runtime.scheduler.api import Admission, Reservation, RunningStream, Scheduler, Ticket
-from zerolayer.runtime.tenants import Tenant, TenantDirectory
+from zerolayer.runtime.tenants import AuthThrottle, Tenant, TenantDirectory
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class Application:
         self.clock = clock
         self.render_extra_metrics = render_extra_metrics
         self.streams: dict[str, ActiveStream] = {}
+        self.auth_throttle = AuthThrottle(limits.auth_failure_burst, limits.auth_failures_per_second)
         self.draining = False
         self.engine_requests_started = 0  # every generate() call; tests assert resets never start work
         self.created = int(time.time())
@@ -140,8 +141,11 @@ class Application:
         self._map_cache: tuple[float, bytes | None] | None = None  # (rendered at, document)
 
     # ------------------------------------------------------------------ HEADERS time
-    def gate(self, conn_id: int, head: RequestHead) -> Accept | Reject:
-        """Decide from the header block alone. Never blocks; never sees the body."""
+    def gate(self, conn_id: int, head: RequestHead, peer: str | None = None) -> Accept | Reject:
+        """Decide from the header block alone. Never blocks; never sees the body.
+
+        ``peer`` is the client's address: failed authentications from it are throttled.
+        """
         path = head.path.split("?", 1)[0]
         known = ROUTES.get(path)
         api = API_OF_ROUTE.get(known[1], "plain") if known else "plain"
@@ -154,8 +158,19 @@ class Application:
                                                     reason="method", http_status=405), route)
         if route in ("healthz", "readyz", "metrics"):
             return Accept(0, _Route(route, api))
+        if peer is not None:
+            wait = self.auth_throttle.blocked(peer, self.clock())
+            if wait is not None:
+                # Too many wrong keys from this address: the key is not even looked at, so guessing
+                # runs at auth_failures_per_second at most, and a right guess is not confirmed now.
+                self.metrics.limit_hits.labels("auth_failure_burst").inc()
+                return self._reject(api, RequestRefused(
+                    ErrorCode.RATE_LIMITED, "too many failed authentications from this address",
+                    reason="auth_throttled", retry_after_s=wait), route)
         tenant = self.tenants.authenticate(head.headers)
         if tenant is None:
+            if peer is not None:
+                self.auth_throttle.failed(peer, self.clock())
             return self._reject(api, RequestRefused(
                 ErrorCode.AUTHENTICATION, "missing or unknown API key (x-api-key or Authorization: Bearer)",
                 reason="no_key"), route)

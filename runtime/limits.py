@@ -53,6 +53,10 @@ class Limits:
     # Request bodies buffered at once (accepted, not yet complete), in the process and per tenant.
     max_buffered_body_bytes: int = 512 * 1024 * 1024
     max_tenant_buffered_body_bytes: int = 64 * 1024 * 1024
+    # Failed authentications per peer address (finding 18): a burst, then this many per second;
+    # a peer past its budget gets 429 without its key being looked at.
+    auth_failure_burst: int = 20
+    auth_failures_per_second: float = 1.0
     # GET /v1/zerolayer/map serves one rendering of the fleet document for this long (finding 33).
     map_cache_s: float = 1.0
 

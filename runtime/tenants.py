@@ -7,11 +7,13 @@ and in config files; a key given through an environment variable is hashed at lo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import hmac
 from typing import Iterable, Mapping
 
+from zerolayer.runtime.limits import TokenBucket
 from zerolayer.runtime.scheduler.api import TenantPolicy
 
 
@@ -71,3 +73,35 @@ class TenantDirectory:
 
     def __len__(self) -> int:
         return len(self._tenants)
+
+
+class AuthThrottle:
+    """Failed authentications per peer address: a token bucket each (``burst``, then ``rate``/s).
+
+    ``blocked`` says whether a peer has spent its budget (and for how long); only failures spend
+    it, so a tenant with a valid key is never slowed by its own traffic. At most ``max_peers``
+    addresses are remembered (least recently failed forgotten first), so the table is bounded.
+    """
+
+    def __init__(self, burst: int, rate: float, *, max_peers: int = 65536) -> None:
+        self.burst = burst
+        self.rate = rate
+        self.max_peers = max_peers
+        self._peers: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
+
+    def blocked(self, peer: str, now: float) -> float | None:
+        """Seconds until ``peer`` may try a key again, or None if it may now."""
+        bucket = self._peers.get(peer)
+        if bucket is None:
+            return None
+        tokens = min(bucket.capacity, bucket.tokens + (now - bucket.stamp) * bucket.rate)
+        if tokens >= 1:
+            return None
+        return (1 - tokens) / bucket.rate
+
+    def failed(self, peer: str, now: float) -> None:
+        bucket = self._peers.pop(peer, None) or TokenBucket(self.burst, self.rate, now)
+        bucket.take(now)
+        self._peers[peer] = bucket
+        while len(self._peers) > self.max_peers:
+            self._peers.popitem(last=False)

@@ -218,7 +218,7 @@ class Connection(asyncio.Protocol):
     # ------------------------------------------------------------------ driving the core
     def _choose(self, version: str) -> None:
         def gate(head):  # type: ignore[no-untyped-def]
-            return self.app.gate(self.id, head)
+            return self.app.gate(self.id, head, self.peer)
 
         def on_limit(name: str) -> None:
             self.server.metrics.limit_hits.labels(name).inc()
