@@ -25,6 +25,7 @@ ENV = {
     "runtime_port": "ZEROLAYER_RUNTIME_PORT",
     "runtime_resources": "ZEROLAYER_RUNTIME_RESOURCES",
     "metrics_scraper_namespaces": "ZEROLAYER_METRICS_SCRAPER_NAMESPACES",
+    "tenant_secret_namespaces": "ZEROLAYER_TENANT_SECRET_NAMESPACES",
     "resync_seconds": "ZEROLAYER_RESYNC_SECONDS",
 }
 
@@ -34,8 +35,10 @@ class OperatorConfig:
     """Settings the operator runs with.
 
     ``runtime_namespace`` holds every namespaced child (DaemonSets, ServiceAccounts,
-    Services, NetworkPolicies); it should hold nothing but runtimes, because the tenants'
-    API-key Secrets are readable by the service accounts of that namespace.
+    Services, NetworkPolicies) and the fleet's Secret of key hashes; only each runtime's own
+    ServiceAccount (by name) may read that Secret, and no runtime reads a tenant's Secret.
+    ``tenant_secret_namespaces``: namespaces a TenantQuota's ``apiKeySecretRef`` may name
+    besides the tenant's own ``spec.namespaces`` and the runtime namespace.
     ``operator_namespace`` is where the operator's own pod runs (its NetworkPolicy peer).
     ``resync_seconds`` bounds how long drift (a deleted child, a removed label) survives.
     """
@@ -49,6 +52,7 @@ class OperatorConfig:
         default_factory=lambda: {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "64Gi"}}
     )
     metrics_scraper_namespaces: tuple[str, ...] = ("monitoring",)
+    tenant_secret_namespaces: tuple[str, ...] = ()
     resync_seconds: float = 30.0
 
     def __post_init__(self) -> None:
@@ -56,9 +60,11 @@ class OperatorConfig:
             value = getattr(self, field)
             if not _DNS_LABEL.match(value or ""):
                 raise ConfigError(f"{field} {value!r} is not a valid namespace name")
-        for ns in self.metrics_scraper_namespaces:
-            if not _DNS_LABEL.match(ns):
-                raise ConfigError(f"metrics scraper namespace {ns!r} is not a valid namespace name")
+        for what, names in (("metrics scraper", self.metrics_scraper_namespaces),
+                            ("tenant Secret", self.tenant_secret_namespaces)):
+            for ns in names:
+                if not _DNS_LABEL.match(ns):
+                    raise ConfigError(f"{what} namespace {ns!r} is not a valid namespace name")
         if not 1 <= int(self.runtime_port) <= 65535:
             raise ConfigError(f"runtime port {self.runtime_port} is outside 1..65535")
         if self.runtime_image_pull_policy not in ("Always", "IfNotPresent", "Never"):
@@ -85,7 +91,7 @@ class OperatorConfig:
                     values[field] = float(raw)
                 elif field == "runtime_resources":
                     values[field] = json.loads(raw)
-                elif field == "metrics_scraper_namespaces":
+                elif field in ("metrics_scraper_namespaces", "tenant_secret_namespaces"):
                     values[field] = tuple(n.strip() for n in raw.split(",") if n.strip())
                 else:
                     values[field] = raw

@@ -32,6 +32,7 @@ import kubernetes.config
 import kubernetes.utils
 from kubernetes import client as k8s_client
 
+from zerolayer.operator import manifests
 from zerolayer.operator.errors import Conflict, KubeError, NotFound
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class SecretCheck:
     found: bool
     has_key: bool = False
     key_count: int = 0
+    # SHA-256 digests of the keys (what the runtimes are given instead of the Secret).
+    key_hashes: tuple[str, ...] = ()
 
 
 def path_of(api_version: str, kind: str, namespace: str | None = None, name: str | None = None,
@@ -387,7 +390,8 @@ class Kube:
         return exists
 
     async def check_secret(self, namespace: str, name: str, key: str) -> SecretCheck:
-        """Whether the Secret exists, holds ``key``, and how many API keys (non-empty lines) it holds.
+        """Whether the Secret exists, holds ``key``, how many API keys (non-empty lines) it holds,
+        and their SHA-256 digests.
 
         The decoded value lives only inside this function; it is never returned or logged.
         """
@@ -398,10 +402,34 @@ class Kube:
         if data is None:
             return SecretCheck(found=True, has_key=False)
         try:
-            lines = base64.b64decode(data).decode("utf-8", "replace").splitlines()
-        except ValueError:
+            text = base64.b64decode(data).decode("utf-8")
+        except ValueError:  # binascii.Error and UnicodeDecodeError: no usable keys
             return SecretCheck(found=True, has_key=True, key_count=0)
-        return SecretCheck(found=True, has_key=True, key_count=sum(1 for line in lines if line.strip()))
+        hashes = tuple(manifests.key_hashes(text))
+        return SecretCheck(found=True, has_key=True, key_count=len(hashes), key_hashes=hashes)
+
+    async def read_published_keys(self, namespace: str) -> dict[str, str]:
+        """The raw entries (TenantQuota name -> base64) of the fleet's key-hash Secret; {} before the first."""
+        secret = await self.get("v1", "Secret", manifests.TENANT_KEYS_SECRET, namespace)
+        return dict((secret or {}).get("data") or {})
+
+    async def publish_keys(self, namespace: str, entries: Mapping[str, str | None]) -> None:
+        """Merge entries into the fleet's key-hash Secret (None removes one), creating it if needed.
+
+        A JSON merge patch of ``data`` touches only the named entries, so reconciles of different
+        TenantQuotas never overwrite each other's."""
+        path = path_of("v1", "Secret", namespace, manifests.TENANT_KEYS_SECRET)
+        try:
+            await self.request("PATCH", path, body={"data": dict(entries)}, content_type=MERGE_PATCH)
+            return
+        except NotFound:
+            pass
+        secret = manifests.build_tenant_keys_secret(namespace)
+        secret["data"] = {k: v for k, v in entries.items() if v is not None}
+        try:
+            await self.request("POST", path_of("v1", "Secret", namespace), body=secret)
+        except Conflict:  # created meanwhile by a concurrent reconcile: merge into it
+            await self.request("PATCH", path, body={"data": dict(entries)}, content_type=MERGE_PATCH)
 
     async def event(self, involved: Mapping[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
         """Record a Kubernetes Event about ``involved``.

@@ -11,14 +11,18 @@ Children and their owners:
   Service and NetworkPolicy ``zl-runtime-<name>``; cluster-wide: ClusterRole and
   ClusterRoleBinding ``zl-runtime-<name>``. All carry an owner reference to the
   InferenceNode (cluster-scoped owners are allowed for namespaced dependents).
+- per InferenceNode, also in the runtime namespace: Role and RoleBinding ``zl-runtime-<name>``
+  that let its ServiceAccount (by name) read the one Secret of key hashes.
 - per TenantQuota: NetworkPolicy (or, with Cilium, a CiliumNetworkPolicy) in the runtime
-  namespace, Role and RoleBinding in the API-key Secret's namespace, all ``zl-tenant-<name>``
-  and owned by the TenantQuota.
+  namespace, ``zl-tenant-<name>``, owned by the TenantQuota; and one data entry (its key
+  hashes, :func:`build_tenant_key_entry`) in the fleet's ``zl-tenant-keys`` Secret.
+- Runtimes never read tenants' Secrets: the operator reads them and publishes hashes only.
 - Node labels cannot be owned: the InferenceNode's finalizer removes them.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import hashlib
@@ -56,6 +60,10 @@ RUNTIME_UID = 65532
 
 CILIUM_CRD = "ciliumnetworkpolicies.cilium.io"
 CILIUM_API_VERSION = "cilium.io/v2"
+# The one Secret of tenants' key hashes, in the runtime namespace (runtime/incluster.py reads it).
+TENANT_KEYS_SECRET = "zl-tenant-keys"
+DEFAULT_SECRET_KEY = "api-keys"
+
 # Headers that carry a tenant's API key (zerolayer.contract.API_KEY and the bearer form).
 API_KEY_HEADERS = ("x-api-key", "authorization")
 
@@ -580,9 +588,10 @@ def build_clusterrole(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
     """Least privilege for one runtime pod.
 
     Patch the status of its own InferenceNode only (``resourceNames``), read every
-    InferenceNode (the GPU-map gossip) and every TenantQuota (effective quotas), and patch
-    TenantQuota status (the auditor's ``status.usage``). API-key Secrets come from the
-    per-tenant Role (:func:`build_secret_role`).
+    InferenceNode (the GPU-map gossip) and every TenantQuota (policies), and patch TenantQuota
+    status (the auditor's ``status.usage``: one pod has one account, so this is the server's
+    too; docs/security.md finding 5). No Secret: the key hashes come through
+    :func:`build_keys_role`, in the runtime namespace only.
     """
     name = inode["metadata"]["name"]
     return {
@@ -653,11 +662,85 @@ def build_runtime_networkpolicy(inode: Mapping[str, Any], config: OperatorConfig
     }
 
 
+def build_keys_role(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
+    """Read access to the fleet's key hashes (:data:`TENANT_KEYS_SECRET`) and no other Secret."""
+    name = inode["metadata"]["name"]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(runtime_name(name), config.runtime_namespace, inode, OWNER_NODE_LABEL),
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [TENANT_KEYS_SECRET],
+                   "verbs": ["get"]}],
+    }
+
+
+def build_keys_rolebinding(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
+    """Bind :func:`build_keys_role` to this runtime's ServiceAccount, by name: no other account
+    of the runtime namespace (``default``, say) can read the hashes."""
+    child = runtime_name(inode["metadata"]["name"])
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(child, config.runtime_namespace, inode, OWNER_NODE_LABEL),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": child},
+        "subjects": [{"kind": "ServiceAccount", "name": child, "namespace": config.runtime_namespace}],
+    }
+
+
 # --------------------------------------------------------------------------- TenantQuota
 def secret_ref(tquota: Mapping[str, Any], config: OperatorConfig) -> tuple[str, str, str]:
     """(namespace, name, key) of the tenant's API-key Secret, with the CRD's defaults."""
     ref = tquota.get("spec", {}).get("apiKeySecretRef") or {}
-    return ref.get("namespace") or config.runtime_namespace, ref.get("name", ""), ref.get("key") or "api-keys"
+    return (ref.get("namespace") or config.runtime_namespace, ref.get("name", ""),
+            ref.get("key") or DEFAULT_SECRET_KEY)
+
+
+def secret_namespace_allowed(tquota: Mapping[str, Any], config: OperatorConfig) -> bool:
+    """Whether the API-key Secret's namespace is one the TenantQuota may name: one of the
+    tenant's own ``spec.namespaces``, the runtime namespace, or the operator's
+    ``tenant_secret_namespaces`` allow-list. Anything else (``kube-system``...) would let
+    whoever writes TenantQuotas make the operator read, and report on, someone else's Secret."""
+    namespace = secret_ref(tquota, config)[0]
+    spec = tquota.get("spec") or {}
+    return namespace in {config.runtime_namespace, *(spec.get("namespaces") or ()), *config.tenant_secret_namespaces}
+
+
+def key_hashes(text: str) -> list[str]:
+    """SHA-256 hex digests of the keys in one Secret entry (one key per line), sorted, no repeats.
+
+    The same digest as ``zerolayer.runtime.tenants.key_hash`` (the operator does not import the
+    runtime; tests/unit/operator checks they agree)."""
+    return sorted({hashlib.sha256(line.strip().encode()).hexdigest() for line in text.splitlines() if line.strip()})
+
+
+def build_tenant_key_entry(tquota: Mapping[str, Any], hashes: list[str]) -> str:
+    """The TenantQuota's data entry in :data:`TENANT_KEYS_SECRET`: base64 of
+    ``{"tenant", "created", "hashes"}``. ``created`` lets every reader pick the same winner when
+    two quotas claim one tenant name or one key (the older one)."""
+    meta = tquota["metadata"]
+    document = {"tenant": tquota["spec"]["tenant"], "created": meta.get("creationTimestamp") or "",
+                "hashes": sorted(hashes)}
+    return base64.b64encode(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).decode()
+
+
+def read_tenant_key_entry(raw: str) -> dict[str, Any] | None:
+    """One entry of :data:`TENANT_KEYS_SECRET` decoded, or None when it does not decode."""
+    try:
+        document = json.loads(base64.b64decode(raw).decode())
+        return {"tenant": str(document["tenant"]), "created": str(document.get("created") or ""),
+                "hashes": [str(h) for h in document["hashes"]]}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def build_tenant_keys_secret(namespace: str) -> dict:
+    """The fleet's Secret of key hashes, empty; entries are merge-patched in per TenantQuota.
+
+    Not owned by any one object: it outlives every TenantQuota. A Secret rather than a
+    ConfigMap so that roles which may read ConfigMaps do not get unsalted key hashes."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": TENANT_KEYS_SECRET, "namespace": namespace,
+                         "labels": dict(MANAGED_BY)}, "data": {}}
 
 
 def build_tenant_networkpolicy(tquota: Mapping[str, Any], config: OperatorConfig) -> dict:
@@ -701,35 +784,4 @@ def build_ciliumnetworkpolicy(tquota: Mapping[str, Any], config: OperatorConfig)
                 }],
             }],
         },
-    }
-
-
-def build_secret_role(tquota: Mapping[str, Any], config: OperatorConfig) -> dict:
-    """Read access to exactly the tenant's API-key Secret, in the Secret's namespace."""
-    namespace, secret, _key = secret_ref(tquota, config)
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _meta(tenant_name(tquota["metadata"]["name"]), namespace, tquota, OWNER_TENANT_LABEL),
-        "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret],
-                   "verbs": ["get", "list", "watch"]}],
-    }
-
-
-def build_secret_rolebinding(tquota: Mapping[str, Any], config: OperatorConfig) -> dict:
-    """Bind :func:`build_secret_role` to every service account of the runtime namespace.
-
-    A group subject instead of one subject per runtime keeps this object independent of the
-    number of GPU nodes (200 nodes x 1,000 tenants would otherwise be 200,000 subjects to
-    keep in step). The price: the runtime namespace must hold only runtimes.
-    """
-    namespace, _secret, _key = secret_ref(tquota, config)
-    child = tenant_name(tquota["metadata"]["name"])
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": _meta(child, namespace, tquota, OWNER_TENANT_LABEL),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": child},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group",
-                      "name": f"system:serviceaccounts:{config.runtime_namespace}"}],
     }

@@ -17,9 +17,9 @@ CLUSTER_RULES: list[dict] = [
      "verbs": ["get", "patch"]},
     # Read and label GPU nodes; watch them to notice a removed label or a Node that appears.
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
-    # get: does the API-key Secret exist and hold keys. list/watch are never called: RBAC lets
-    # the operator grant runtimes get/list/watch on a tenant's Secret only if it holds them.
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "watch"]},
+    # get only: read each TenantQuota's API-key Secret to count its keys and publish their hashes.
+    # Nothing lists or watches Secrets, and runtimes are granted no tenant Secret at all.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
     # Our Events (core v1), and kopf's warnings.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # Is Cilium's CRD installed (kopf's CRD and namespace scanning is off, see handlers.configure).
@@ -27,10 +27,9 @@ CLUSTER_RULES: list[dict] = [
     # Each runtime's ClusterRole/Binding (patch its own InferenceNode status, read TenantQuotas).
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles", "clusterrolebindings"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
-    # The per-tenant Role/RoleBinding that lets runtimes read one Secret, in the Secret's namespace
-    # (apiKeySecretRef.namespace may be any namespace, hence cluster-wide).
-    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
-     "verbs": ["get", "create", "patch", "delete"]},
+    # delete only: remove the per-tenant Role/RoleBinding that older versions created next to each
+    # tenant's Secret (runtimes read hashes now, docs/security.md finding 5).
+    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": ["delete"]},
 ]
 
 # In the runtime namespace only (Role bound to the operator's ServiceAccount).
@@ -44,6 +43,8 @@ RUNTIME_NAMESPACE_RULES: list[dict] = [
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": ["cilium.io"], "resources": ["ciliumnetworkpolicies"], "verbs": ["get", "create", "patch", "delete"]},
+    # The fleet's Secret of key hashes (zl-tenant-keys): created once, entries merge-patched per tenant.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "patch"]},
     # Does the claim a model source names exist (the runtime pod is held back until it does).
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
     # A failed model download shows only in the runtime pod's init-container status.

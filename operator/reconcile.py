@@ -26,8 +26,8 @@ from zerolayer.operator import conditions as cond
 from zerolayer.operator import manifests as m
 from zerolayer.operator import validation
 from zerolayer.operator.config import OperatorConfig
-from zerolayer.operator.errors import NotFound, OperatorError, SpecError
-from zerolayer.operator.kube import Kube
+from zerolayer.operator.errors import KubeError, NotFound, OperatorError, SpecError
+from zerolayer.operator.kube import Kube, SecretCheck
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,11 @@ class Reconciler:
         self.node_index: dict[str, set[str]] = collections.defaultdict(set)
         self.missing_nodes: set[str] = set()  # Nodes some InferenceNode waits for
         self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        # The fleet's published key hashes as last read or written (see _published).
+        self._published_keys: dict[str, dict] | None = None
+        self._published_raw: dict[str, str] = {}
+        self._published_at: datetime.datetime | None = None
+        self._legacy_checked: set[str] = set()  # TenantQuotas whose pre-hash Role/RoleBinding are gone
 
     def _lock(self, kind: str, name: str) -> asyncio.Lock:
         # kopf runs change handlers, timers and our cross-object triggers concurrently;
@@ -216,6 +221,8 @@ class Reconciler:
             m.build_clusterrolebinding(body, self.config),
             m.build_headless_service(body, self.config),
             m.build_runtime_networkpolicy(body, self.config),
+            m.build_keys_role(body, self.config),
+            m.build_keys_rolebinding(body, self.config),
         ]
         labelled = f"node {node_name} carries " + ", ".join(f"{k}={v}" for k, v in sorted(wanted.items()))
         node_parts = [cond.condition("NodeFound", True, "NodeExists", f"Kubernetes Node {node_name} exists"),
@@ -371,6 +378,7 @@ class Reconciler:
             ns = self.config.runtime_namespace
             for api_version, kind, namespace in (
                 ("apps/v1", "DaemonSet", ns), ("v1", "Service", ns), ("networking.k8s.io/v1", "NetworkPolicy", ns),
+                ("rbac.authorization.k8s.io/v1", "RoleBinding", ns), ("rbac.authorization.k8s.io/v1", "Role", ns),
                 ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", None),
                 ("rbac.authorization.k8s.io/v1", "ClusterRole", None), ("v1", "ServiceAccount", ns),
             ):
@@ -401,25 +409,25 @@ class Reconciler:
     async def _reconcile_tenant_quota(self, body: Mapping[str, Any], old: Mapping[str, Any] | None) -> Outcome:
         outcome = Outcome()
         spec = body.get("spec") or {}
+        name = body["metadata"]["name"]
+        namespace, secret, key = m.secret_ref(body, self.config)
         problems = validation.tenant_quota_problems(spec)
+        if not problems and not m.secret_namespace_allowed(body, self.config):
+            problems = [f"apiKeySecretRef.namespace {namespace!r} is not one of the tenant's namespaces, the "
+                        "runtime namespace or the operator's tenant Secret namespaces"]
         if problems:
+            await self._unpublish(name)
+            reason = "InvalidSpec" if validation.tenant_quota_problems(spec) else "SecretNamespaceNotAllowed"
             new = await self._conditions_status(body, TQUOTA, [
-                cond.condition("Ready", False, "InvalidSpec", "; ".join(problems))], "Degraded")
+                cond.condition("Ready", False, reason, "; ".join(problems))], "Degraded", keyCount=0)
             await self._note_transition(body, outcome, new, "Degraded")
             raise SpecError(problems)
 
-        namespace, secret, key = m.secret_ref(body, self.config)
-        check = await self.kube.check_secret(namespace, secret, key)
-        # Messages name the Secret and the entry, never anything read from it.
-        if not check.found:
-            problem = ("SecretMissing", f"API-key Secret {namespace}/{secret} does not exist")
-        elif not check.has_key:
-            problem = ("KeyMissing", f"API-key Secret {namespace}/{secret} has no entry {key!r}")
-        elif check.key_count == 0:
-            problem = ("NoKeys", f"entry {key!r} of API-key Secret {namespace}/{secret} holds no keys")
-        else:
-            problem = None
-        if problem:
+        problem = await self._secret_problem(namespace, secret, key)
+        check = problem if isinstance(problem, SecretCheck) else None
+        if check is None:
+            # Not served until its keys can be read: the runtimes drop the tenant at their next sync.
+            await self._unpublish(name)
             new = await self._conditions_status(body, TQUOTA, [
                 cond.condition("SecretFound", False, *problem),
                 cond.condition("Ready", False, *problem)], "Pending", keyCount=0)
@@ -428,23 +436,26 @@ class Reconciler:
         secret_found = cond.condition("SecretFound", True, "SecretFound",
                                       f"API-key Secret {namespace}/{secret} holds {check.key_count} key(s)")
 
-        # Secret moved to another namespace: the old Role and RoleBinding would linger until
-        # the TenantQuota is deleted (they are owned by it), so remove them now.
-        old_ns = m.secret_ref(old, self.config)[0] if old is not None else namespace
-        if old_ns != namespace:
-            child = m.tenant_name(body["metadata"]["name"])
-            for kind in ("RoleBinding", "Role"):
-                if await self.kube.delete("rbac.authorization.k8s.io/v1", kind, child, old_ns):
-                    await self._act(body, outcome, "Deleted", f"Deleted {kind} {old_ns}/{child}")
+        clash = await self._duplicate_of(body, check.key_hashes)
+        if clash is not None:
+            reason, other, message = clash
+            await self._unpublish(name)
+            new = await self._conditions_status(body, TQUOTA, [
+                secret_found, cond.condition("Ready", False, reason, message)], "Degraded", keyCount=check.key_count)
+            await self._note_transition(body, outcome, new, "Degraded")
+            await self.kube.event({"apiVersion": m.API_VERSION, "kind": "TenantQuota", "metadata": {"name": other}},
+                                  reason, f"TenantQuota {name} was refused: {message}", warning=True)
+            raise WaitingFor(message, delay=self.config.resync_seconds)
+        await self._publish(name, m.build_tenant_key_entry(body, list(check.key_hashes)))
+        await self._remove_legacy_secret_access(body, outcome)
 
         cilium = await self.kube.crd_exists(m.CILIUM_CRD)
         policy = m.build_ciliumnetworkpolicy(body, self.config) if cilium else \
             m.build_tenant_networkpolicy(body, self.config)
-        children = [policy, m.build_secret_role(body, self.config), m.build_secret_rolebinding(body, self.config)]
-        await self._ensure_all(body, children, outcome)
+        await self._ensure_all(body, [policy], outcome)
         if cilium:
             # The L7 policy replaces the plain one (see build_ciliumnetworkpolicy).
-            child = m.tenant_name(body["metadata"]["name"])
+            child = m.tenant_name(name)
             if await self.kube.delete("networking.k8s.io/v1", "NetworkPolicy", child, self.config.runtime_namespace):
                 await self._act(body, outcome, "Deleted", f"Deleted NetworkPolicy {self.config.runtime_namespace}/"
                                 f"{child} (replaced by a CiliumNetworkPolicy with L7 rules)")
@@ -462,11 +473,92 @@ class Reconciler:
         outcome.ready = True
         return outcome
 
+    async def _secret_problem(self, namespace: str, secret: str, key: str) -> "SecretCheck | tuple[str, str]":
+        """The Secret's check, or (reason, message) of why its keys cannot be used.
+
+        403 counts like 404 (RBAC is checked before existence): the tenant waits with a
+        condition instead of failing the reconcile. Messages name the Secret and the entry,
+        never anything read from it."""
+        try:
+            check = await self.kube.check_secret(namespace, secret, key)
+        except KubeError as exc:
+            if exc.status != 403:
+                raise
+            return ("SecretUnreadable", f"the operator may not read API-key Secret {namespace}/{secret} (403)")
+        if not check.found:
+            return ("SecretMissing", f"API-key Secret {namespace}/{secret} does not exist")
+        if not check.has_key:
+            return ("KeyMissing", f"API-key Secret {namespace}/{secret} has no entry {key!r}")
+        if check.key_count == 0:
+            return ("NoKeys", f"entry {key!r} of API-key Secret {namespace}/{secret} holds no keys")
+        return check
+
+    async def _published(self) -> dict[str, dict]:
+        """The fleet's published key hashes by TenantQuota name, re-read at most every resync period
+        (1,000 TenantQuotas must not mean 1,000 reads of one large Secret per period)."""
+        age = self.now() - self._published_at if self._published_at is not None else None
+        if self._published_keys is None or age is None or age.total_seconds() > self.config.resync_seconds:
+            raw = await self.kube.read_published_keys(self.config.runtime_namespace)
+            self._published_keys = {k: e for k, e in ((k, m.read_tenant_key_entry(v)) for k, v in raw.items())
+                                    if e is not None}
+            self._published_raw = dict(raw)
+            self._published_at = self.now()
+        return self._published_keys
+
+    async def _publish(self, name: str, entry: str | None) -> None:
+        await self._published()
+        if self._published_raw.get(name) == entry:
+            return  # unchanged: a converged reconcile writes nothing
+        await self.kube.publish_keys(self.config.runtime_namespace, {name: entry})
+        if entry is None:
+            self._published_raw.pop(name, None)
+            self._published_keys.pop(name, None)
+        else:
+            self._published_raw[name] = entry
+            self._published_keys[name] = m.read_tenant_key_entry(entry)
+
+    async def _unpublish(self, name: str) -> None:
+        await self._publish(name, None)
+
+    async def _duplicate_of(self, body: Mapping[str, Any], hashes: tuple[str, ...]) -> tuple[str, str, str] | None:
+        """(reason, other TenantQuota, message) when an older TenantQuota already holds this tenant
+        name or one of these keys; the older one (creationTimestamp, then name) keeps them, so every
+        operator and runtime picks the same winner."""
+        name = body["metadata"]["name"]
+        tenant = body["spec"]["tenant"]
+        mine = (body["metadata"].get("creationTimestamp") or "", name)
+        for other, entry in sorted((await self._published()).items()):
+            if other == name or (entry["created"], other) > mine:
+                continue
+            if entry["tenant"] == tenant:
+                return ("DuplicateTenant", other,
+                        f"tenant {tenant!r} is already declared by the older TenantQuota {other}")
+            if set(entry["hashes"]) & set(hashes):
+                return ("DuplicateKey", other,
+                        f"an API key of this tenant is also a key of the older TenantQuota {other} "
+                        f"(tenant {entry['tenant']!r}); keys must be unique")
+        return None
+
+    async def _remove_legacy_secret_access(self, body: Mapping[str, Any], outcome: Outcome) -> None:
+        """Before runtimes got hashes, each TenantQuota had a Role and RoleBinding ``zl-tenant-<name>``
+        letting the runtime namespace read its Secret. Remove them once per operator process."""
+        name = body["metadata"]["name"]
+        if name in self._legacy_checked:
+            return
+        namespace = m.secret_ref(body, self.config)[0]
+        child = m.tenant_name(name)
+        for kind in ("RoleBinding", "Role"):
+            if await self.kube.delete("rbac.authorization.k8s.io/v1", kind, child, namespace):
+                await self._act(body, outcome, "Deleted", f"Deleted {kind} {namespace}/{child} (runtimes no "
+                                "longer read tenants' Secrets)")
+        self._legacy_checked.add(name)
+
     async def delete_tenant_quota(self, body: Mapping[str, Any]) -> Outcome:
         outcome = Outcome()
         name = body["metadata"]["name"]
         child = m.tenant_name(name)
         async with self._lock("TenantQuota", name):
+            await self._unpublish(name)
             secret_ns = m.secret_ref(body, self.config)[0]
             targets = [("networking.k8s.io/v1", "NetworkPolicy", self.config.runtime_namespace),
                        ("rbac.authorization.k8s.io/v1", "RoleBinding", secret_ns),
@@ -477,6 +569,7 @@ class Reconciler:
                 if await self.kube.delete(api_version, kind, child, namespace):
                     await self._act(body, outcome, "Deleted", f"Deleted {kind} {namespace}/{child}")
         self._locks.pop(f"TenantQuota/{name}", None)
+        self._legacy_checked.discard(name)
         return outcome
 
     # ================================================================= cross-object triggers

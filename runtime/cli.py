@@ -25,9 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "cluster's TenantQuotas and their Secrets, applying changes without a restart "
                              "(implied by --node-name without --config)")
     parser.add_argument("--tenant-namespace", default=os.environ.get("POD_NAMESPACE", "zerolayer-system"),
-                        help="namespace of key Secrets that a TenantQuota names without one (default: the pod's)")
+                        help="namespace of the key hashes the operator publishes (Secret zl-tenant-keys; "
+                             "default: the pod's)")
     parser.add_argument("--tenant-sync-seconds", type=float, default=10.0,
-                        help="how often TenantQuotas and Secrets are re-read in cluster (default 10)")
+                        help="how often TenantQuotas and the published key hashes are re-read in cluster "
+                             "(default 10; two reads whatever the number of tenants)")
     parser.add_argument("--port", type=int, default=None, help="override listen.port")
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS (ALPN h2, http/1.1) with this certificate chain; "
                                                           "overrides tls.cert (needs --tls-key)")
@@ -103,8 +105,11 @@ def run(args: argparse.Namespace) -> int:
             from zerolayer.runtime.incluster import TenantSync
 
             sync = TenantSync(reader, server.replace_tenants, namespace=args.tenant_namespace,
-                              interval_s=args.tenant_sync_seconds)
-            await sync.sync_once()  # serve with the cluster's tenants from the first request
+                              interval_s=args.tenant_sync_seconds, registry=server.metrics.registry)
+            # Serve with the cluster's tenants from the first request; if they cannot be read yet,
+            # start with none (every key refused) rather than exit: a runtime that exits here takes
+            # its node out of the fleet at every restart while the API server is unhappy.
+            await sync.first_sync()
         await server.start()
         if sync is not None:
             sync.start()

@@ -1,10 +1,16 @@
-"""In-cluster mode: the node's InferenceNode says what to serve; TenantQuotas and their Secrets say who.
+"""In-cluster mode: the node's InferenceNode says what to serve; TenantQuotas and the key hashes
+the operator publishes say who.
 
 Pure builders turn API objects into the same config mapping the standalone file uses
 (:func:`config_from_inferencenode`) and into tenants (:func:`tenants_from_quotas`).
 :class:`KubeReader` is the only place this mode calls the Kubernetes API (blocking client,
-always run in a thread). :class:`TenantSync` polls TenantQuotas and the Secrets they name
-and applies changes to a running server without a restart (``RuntimeServer.replace_tenants``).
+always run in a thread). :class:`TenantSync` re-reads TenantQuotas and the one Secret of key
+hashes and applies changes to a running server without a restart (``RuntimeServer.replace_tenants``).
+
+Runtimes never read tenants' API-key Secrets: the operator reads each one and publishes only
+SHA-256 hashes into one Secret per fleet, ``zl-tenant-keys`` in the runtime namespace (one data
+entry per TenantQuota, see ``operator/manifests.py`` ``build_tenant_key_entry``). A sync is two
+reads whatever the number of tenants, and a Secret that cannot be read costs its own tenant only.
 """
 
 from __future__ import annotations
@@ -12,24 +18,30 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import hashlib
+import json
 import logging
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 from zerolayer import models as model_layout
 from zerolayer.contract import Priority
 from zerolayer.runtime.errors import ConfigError, RuntimeServerError
 from zerolayer.runtime.scheduler.api import TenantPolicy
-from zerolayer.runtime.tenants import Tenant, key_hash
+from zerolayer.runtime.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
 GROUP, VERSION = "zerolayer.io", "v1alpha1"
-DEFAULT_SECRET_KEY = "api-keys"
 DEFAULT_PRIORITIES = ("normal", "low")  # the CRD's default
 DEFAULT_MAX_STREAMS = 64
 # Where the operator mounts the tlsSecretName Secret (operator/manifests.py TLS_MOUNT).
 TLS_DIR = "/etc/zerolayer/tls"
+# The Secret of key hashes the operator publishes in the runtime namespace (operator/manifests.py
+# TENANT_KEYS_SECRET); runtimes may read this one Secret and no other.
+TENANT_KEYS_SECRET = "zl-tenant-keys"
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ClusterReadError(RuntimeServerError):
@@ -97,56 +109,88 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     return config
 
 
-def secret_key_hashes(secret: Mapping[str, Any], entry: str) -> frozenset[str]:
-    """SHA-256 hashes of the keys in one data entry (one key per line); values are not kept."""
-    raw = (secret.get("data") or {}).get(entry)
-    if raw is None:
-        text = (secret.get("stringData") or {}).get(entry)
-        if text is None:
-            return frozenset()
-    else:
+def published_entries(secret: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The operator's published key hashes, by TenantQuota name: ``{"tenant", "created", "hashes"}``.
+
+    ``secret`` is the ``zl-tenant-keys`` Secret's ``data`` as the API returns it (base64 JSON per
+    entry). An entry that does not decode, or holds anything but SHA-256 hex digests, is left out
+    and logged: its tenant is not served rather than served with keys nobody meant.
+    """
+    entries: dict[str, dict[str, Any]] = {}
+    for quota_name, raw in ((secret or {}).get("data") or {}).items():
         try:
-            text = base64.b64decode(raw).decode()
-        except (binascii.Error, UnicodeDecodeError):
-            return frozenset()
-    return frozenset(key_hash(line.strip()) for line in text.splitlines() if line.strip())
-
-
-def secret_ref(quota: Mapping[str, Any], default_namespace: str) -> tuple[str, str, str]:
-    ref = (quota.get("spec") or {}).get("apiKeySecretRef") or {}
-    return ref.get("namespace") or default_namespace, ref.get("name", ""), ref.get("key") or DEFAULT_SECRET_KEY
-
-
-def tenants_from_quotas(
-    quotas: Sequence[Mapping[str, Any]],
-    secrets: Mapping[tuple[str, str], Mapping[str, Any]],
-    default_namespace: str,
-) -> list[Tenant]:
-    """Tenants with their key hashes and policies. A quota whose Secret (or key entry) is
-    missing yields no tenant: nobody can authenticate as it until the keys exist."""
-    tenants = []
-    for quota in quotas:
-        spec = quota.get("spec") or {}
-        name = spec.get("tenant")
-        namespace, secret_name, entry = secret_ref(quota, default_namespace)
-        secret = secrets.get((namespace, secret_name))
-        hashes = secret_key_hashes(secret, entry) if secret is not None else frozenset()
-        if not name or not hashes:
-            log.warning("TenantQuota %s: no usable keys in Secret %s/%s entry %s; tenant not served",
-                        (quota.get("metadata") or {}).get("name"), namespace, secret_name, entry)
+            entry = json.loads(base64.b64decode(raw).decode())
+            hashes = [str(h).lower() for h in entry["hashes"]]
+            if not isinstance(entry.get("tenant"), str) or not all(_SHA256_HEX.match(h) for h in hashes):
+                raise ValueError("not a tenant name and SHA-256 hex digests")
+        except (binascii.Error, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            log.warning("published key hashes for TenantQuota %s do not decode (%s); tenant not served",
+                        quota_name, exc)
             continue
-        models = spec.get("allowedModels")
-        policy = TenantPolicy(
-            tenant=name,
-            tokens_per_minute=spec.get("tokensPerMinute"),
-            requests_per_minute=spec.get("requestsPerMinute"),
-            max_concurrent_streams=spec.get("maxConcurrentStreams", DEFAULT_MAX_STREAMS),
-            allowed_priorities=frozenset(Priority.parse(p) for p in spec.get("allowedPriorities",
-                                                                            DEFAULT_PRIORITIES)),
-            allowed_models=frozenset(models) if models else None,
-        )
-        tenants.append(Tenant(name, hashes, policy))
-    return tenants
+        entries[quota_name] = {"tenant": entry["tenant"], "created": str(entry.get("created") or ""),
+                               "hashes": frozenset(hashes)}
+    return entries
+
+
+@dataclasses.dataclass
+class TenantView:
+    """What the cluster says: the tenants to serve, and why each other TenantQuota is not served
+    (TenantQuota name -> reason)."""
+
+    tenants: list[Tenant]
+    problems: dict[str, str]
+
+
+def _policy(name: str, spec: Mapping[str, Any]) -> TenantPolicy:
+    models = spec.get("allowedModels")
+    return TenantPolicy(
+        tenant=name,
+        tokens_per_minute=spec.get("tokensPerMinute"),
+        requests_per_minute=spec.get("requestsPerMinute"),
+        max_concurrent_streams=spec.get("maxConcurrentStreams", DEFAULT_MAX_STREAMS),
+        allowed_priorities=frozenset(Priority.parse(p) for p in spec.get("allowedPriorities", DEFAULT_PRIORITIES)),
+        allowed_models=frozenset(models) if models else None,
+    )
+
+
+def _age(quota: Mapping[str, Any]) -> tuple[str, str]:
+    meta = quota.get("metadata") or {}
+    return str(meta.get("creationTimestamp") or ""), str(meta.get("name") or "")
+
+
+def tenants_from_quotas(quotas: Sequence[Mapping[str, Any]],
+                        published: Mapping[str, Mapping[str, Any]]) -> TenantView:
+    """Tenants with their key hashes and policies.
+
+    ``published`` is :func:`published_entries`. A quota with no published hashes yields no
+    tenant: nobody can authenticate as it until the operator has read its keys. Quotas are
+    taken oldest first (creationTimestamp, then name); a later quota that names a tenant
+    already served, or holds a key hash an earlier one holds, is refused whole, so a key is
+    never billed to the wrong tenant and two policies are never merged.
+    """
+    tenants: list[Tenant] = []
+    problems: dict[str, str] = {}
+    owner_of_name: dict[str, str] = {}
+    owner_of_hash: dict[str, str] = {}
+    for quota in sorted(quotas, key=_age):
+        spec = quota.get("spec") or {}
+        quota_name = (quota.get("metadata") or {}).get("name", "")
+        name = spec.get("tenant")
+        entry = published.get(quota_name)
+        if not name or entry is None or not entry["hashes"]:
+            problems[quota_name] = "no published key hashes (see the TenantQuota's conditions)"
+        elif entry["tenant"] != name:
+            problems[quota_name] = f"published hashes are for tenant {entry['tenant']!r}, not {name!r}"
+        elif name in owner_of_name:
+            problems[quota_name] = f"tenant {name!r} is already served from TenantQuota {owner_of_name[name]}"
+        elif entry["hashes"] & owner_of_hash.keys():
+            other = owner_of_hash[min(entry["hashes"] & owner_of_hash.keys())]
+            problems[quota_name] = f"a key is also a key of TenantQuota {other}"
+        else:
+            owner_of_name[name] = quota_name
+            owner_of_hash.update(dict.fromkeys(entry["hashes"], quota_name))
+            tenants.append(Tenant(name, frozenset(entry["hashes"]), _policy(name, spec)))
+    return TenantView(tenants, problems)
 
 
 def fingerprint(tenants: Sequence[Tenant]) -> str:
@@ -200,11 +244,10 @@ class KubeReader:
                            GROUP, VERSION, "tenantquotas")
         return list((found or {}).get("items") or [])
 
-    def secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def tenant_keys(self, namespace: str, name: str = TENANT_KEYS_SECRET) -> dict[str, dict[str, Any]]:
+        """The operator's published key hashes (:func:`published_entries`); empty before it published any."""
         found = self._call(f"read Secret {namespace}/{name}", self._core.read_namespaced_secret, name, namespace)
-        if found is None:
-            return None
-        return {"data": dict(found.data or {}), "stringData": dict(getattr(found, "string_data", None) or {})}
+        return published_entries({"data": dict(found.data or {})} if found is not None else None)
 
 
 class _Periodic:
@@ -229,53 +272,92 @@ class _Periodic:
 
 
 class TenantSync(_Periodic):
-    """Keeps a running server's tenants equal to the cluster's TenantQuotas and their Secrets.
+    """Keeps a running server's tenants equal to the cluster's TenantQuotas and published key hashes.
 
-    ``reader`` needs ``tenant_quotas()`` and ``secret(namespace, name)`` (a
-    :class:`KubeReader`); ``apply`` receives the new tenant list when it changed.
+    ``reader`` needs ``tenant_quotas()`` and ``tenant_keys(namespace)`` (a :class:`KubeReader`);
+    ``apply`` receives the new tenant list when it changed. One sync costs two reads however
+    many tenants there are. ``problems`` says which TenantQuotas are not served and why;
+    ``errors`` counts failed syncs (any exception: the loop never dies), and ``registry``, when
+    given, exports both (``zerolayer_tenant_sync_errors_total``, ``zerolayer_tenant_refused``).
     """
 
     def __init__(self, reader: Any, apply: Callable[[list[Tenant]], None], *, namespace: str,
-                 interval_s: float = 10.0) -> None:
+                 interval_s: float = 10.0, registry: Any = None) -> None:
         self.reader = reader
         self.apply = apply
         self.namespace = namespace
         self.interval_s = interval_s
         self._last: str | None = None
         self.errors = 0
+        self.problems: dict[str, str] = {}
+        self._metrics = _SyncMetrics(registry) if registry is not None else None
 
-    def read(self) -> list[Tenant]:
-        """One blocking read of quotas and the Secrets they name."""
+    def read(self) -> TenantView:
+        """One blocking read of the quotas and the published key hashes."""
         quotas = self.reader.tenant_quotas()
-        secrets: dict[tuple[str, str], Mapping[str, Any]] = {}
-        for quota in quotas:
-            namespace, name, _ = secret_ref(quota, self.namespace)
-            if name and (namespace, name) not in secrets:
-                secret = self.reader.secret(namespace, name)
-                if secret is not None:
-                    secrets[(namespace, name)] = secret
-        return tenants_from_quotas(quotas, secrets, self.namespace)
+        return tenants_from_quotas(quotas, self.reader.tenant_keys(self.namespace))
 
     async def sync_once(self) -> bool:
         """Read and apply if changed. Returns True when tenants were replaced."""
-        tenants = await asyncio.to_thread(self.read)
-        digest = fingerprint(tenants)
+        view = await asyncio.to_thread(self.read)
+        for quota, why in sorted(view.problems.items()):
+            if self.problems.get(quota) != why:
+                log.warning("TenantQuota %s not served: %s", quota, why)
+        self.problems = view.problems
+        if self._metrics is not None:
+            self._metrics.refused(view.problems)
+        digest = fingerprint(view.tenants)
         if digest == self._last:
             return False
         self._last = digest
-        self.apply(tenants)
-        log.info("tenants from the cluster: %s", ", ".join(sorted(t.name for t in tenants)) or "none")
+        self.apply(view.tenants)
+        log.info("tenants from the cluster: %s", ", ".join(sorted(t.name for t in view.tenants)) or "none")
         return True
+
+    async def first_sync(self) -> bool:
+        """The sync before serving. A failure is logged and counted, not raised: the runtime then
+        starts with no tenants (every key refused) and :meth:`run` keeps trying."""
+        try:
+            await self.sync_once()
+            return True
+        except Exception as exc:  # noqa: BLE001 - serving the health endpoints beats exiting
+            self._failed(exc)
+            return False
+
+    def _failed(self, exc: BaseException) -> None:
+        self.errors += 1
+        if self._metrics is not None:
+            self._metrics.errors.labels("read" if isinstance(exc, ClusterReadError) else "unexpected").inc()
+        if isinstance(exc, ClusterReadError):
+            log.warning("tenant sync failed (keeping the current tenants): %s", exc)
+        else:
+            log.exception("tenant sync failed unexpectedly (keeping the current tenants)")
 
     async def run(self) -> None:
         while True:
             try:
                 await self.sync_once()
-            except ClusterReadError as exc:
-                self.errors += 1
-                log.warning("tenant sync failed (keeping the current tenants): %s", exc)
+            except Exception as exc:  # noqa: BLE001 - a dead loop would stop revocations silently
+                self._failed(exc)
             await asyncio.sleep(self.interval_s)
 
+
+class _SyncMetrics:
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.errors = Counter("zerolayer_tenant_sync_errors", "Failed tenant syncs, by kind (read, unexpected).",
+                              ["kind"], registry=registry)
+        self._refused = Gauge("zerolayer_tenant_refused", "1 for each TenantQuota this runtime does not serve.",
+                              ["tenant_quota"], registry=registry)
+        self._shown: set[str] = set()
+
+    def refused(self, problems: Mapping[str, str]) -> None:
+        for gone in self._shown - problems.keys():
+            self._refused.remove(gone)
+        for quota in problems:
+            self._refused.labels(quota).set(1)
+        self._shown = set(problems)
 
 
 # What a running runtime can take from an edited InferenceNode without a restart, and what not.
@@ -339,4 +421,7 @@ class NodeSpecSync(_Periodic):
             except (ClusterReadError, ConfigError, ValueError) as exc:  # SchedulerConfigError is a ValueError
                 self.errors += 1
                 log.warning("InferenceNode sync failed (keeping the current settings): %s", exc)
+            except Exception:  # noqa: BLE001 - the loop must outlive anything one object can cause
+                self.errors += 1
+                log.exception("InferenceNode sync failed unexpectedly (keeping the current settings)")
 

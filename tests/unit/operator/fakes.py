@@ -12,6 +12,7 @@ import copy
 import itertools
 
 from zerolayer.operator.kube import SecretCheck, is_subset, _comparable
+from zerolayer.operator.manifests import TENANT_KEYS_SECRET, key_hashes, read_tenant_key_entry
 
 _uid = itertools.count(1)
 
@@ -104,7 +105,25 @@ class FakeKube:
             return SecretCheck(found=False)
         if key not in data:
             return SecretCheck(found=True)
-        return SecretCheck(found=True, has_key=True, key_count=len([x for x in data[key].splitlines() if x.strip()]))
+        hashes = tuple(key_hashes(data[key]))
+        return SecretCheck(found=True, has_key=True, key_count=len(hashes), key_hashes=hashes)
+
+    async def read_published_keys(self, namespace):
+        secret = self.find("v1", "Secret", TENANT_KEYS_SECRET, namespace)
+        return dict((secret or {}).get("data") or {})
+
+    async def publish_keys(self, namespace, entries):
+        secret = self.find("v1", "Secret", TENANT_KEYS_SECRET, namespace)
+        if secret is None:
+            secret = self.put({"apiVersion": "v1", "kind": "Secret",
+                               "metadata": {"name": TENANT_KEYS_SECRET, "namespace": namespace}, "data": {}})
+        merge(secret.setdefault("data", {}), dict(entries))
+        self.writes.append(("publish", "v1", "Secret", namespace, TENANT_KEYS_SECRET))
+
+    def published_tenant_keys(self, namespace):
+        """For tests: the published entries, decoded."""
+        secret = self.find("v1", "Secret", TENANT_KEYS_SECRET, namespace) or {}
+        return {name: read_tenant_key_entry(raw) for name, raw in (secret.get("data") or {}).items()}
 
     async def event(self, involved, reason, message, *, warning=False):
         self.events.append((involved["kind"], involved["metadata"]["name"], reason, message, warning))

@@ -17,7 +17,7 @@ def test_documented_rbac_matches_the_rules_the_operator_is_tested_with():
 
 def test_runtime_rbac_needs_nothing_the_operator_lacks():
     """RBAC forbids granting what the grantor does not hold: every verb in a runtime's
-    ClusterRole and the tenant Secret Role must be held by the operator."""
+    ClusterRole and its key-hash Role must be held by the operator."""
     from zerolayer.operator import manifests as m
     from zerolayer.operator.config import OperatorConfig
 
@@ -26,9 +26,7 @@ def test_runtime_rbac_needs_nothing_the_operator_lacks():
     cfg = OperatorConfig()
     inode = {"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode",
              "metadata": {"name": "n", "uid": "u"}, "spec": {"nodeName": "n"}}
-    tq = {"apiVersion": "zerolayer.io/v1alpha1", "kind": "TenantQuota", "metadata": {"name": "t", "uid": "u"},
-          "spec": {"apiKeySecretRef": {"name": "s"}}}
-    for role in (m.build_clusterrole(inode, cfg), m.build_secret_role(tq, cfg)):
+    for role in (m.build_clusterrole(inode, cfg), m.build_keys_role(inode, cfg)):
         for rule in role["rules"]:
             for g in rule["apiGroups"]:
                 for r in rule["resources"]:

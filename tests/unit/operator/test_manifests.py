@@ -126,14 +126,14 @@ def test_tls_switches_probes_to_https_and_mounts_the_secret():
 def test_children_are_owned_by_their_custom_resource():
     body = inode()
     for build in (m.build_daemonset, m.build_serviceaccount, m.build_clusterrole, m.build_clusterrolebinding,
-                  m.build_headless_service, m.build_runtime_networkpolicy):
+                  m.build_headless_service, m.build_runtime_networkpolicy, m.build_keys_role,
+                  m.build_keys_rolebinding):
         meta = build(body, CONFIG)["metadata"]
         assert meta["ownerReferences"] == [{"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode",
                                             "name": "gpu-node-0", "uid": "u-1", "controller": True}]
         assert meta["name"] == "zl-runtime-gpu-node-0"
         assert meta["annotations"][m.OWNER_NAME_ANNOTATION] == "InferenceNode/gpu-node-0"
-    for build in (m.build_tenant_networkpolicy, m.build_ciliumnetworkpolicy, m.build_secret_role,
-                  m.build_secret_rolebinding):
+    for build in (m.build_tenant_networkpolicy, m.build_ciliumnetworkpolicy):
         meta = build(tquota(), CONFIG)["metadata"]
         assert meta["ownerReferences"][0]["kind"] == "TenantQuota"
         assert meta["name"] == "zl-tenant-team-a"
@@ -149,13 +149,27 @@ def test_runtime_rbac_is_least_privilege():
     assert not any("secrets" in r["resources"] for r in role["rules"])
     binding = m.build_clusterrolebinding(inode(), CONFIG)
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "zl-runtime-gpu-node-0", "namespace": "zl-run"}]
-    secret_role = m.build_secret_role(tquota(), CONFIG)
-    assert secret_role["metadata"]["namespace"] == "zl-run"  # Secret namespace defaults to the runtime's
-    assert secret_role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["team-a-keys"],
-                                     "verbs": ["get", "list", "watch"]}]
-    rb = m.build_secret_rolebinding(tquota(apiKeySecretRef={"name": "k", "namespace": "vault"}), CONFIG)
-    assert rb["metadata"]["namespace"] == "vault"
-    assert rb["subjects"][0]["name"] == "system:serviceaccounts:zl-run"
+    keys_role = m.build_keys_role(inode(), CONFIG)
+    assert keys_role["metadata"]["namespace"] == "zl-run"
+    assert keys_role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["zl-tenant-keys"],
+                                   "verbs": ["get"]}]
+    rb = m.build_keys_rolebinding(inode(), CONFIG)
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "zl-runtime-gpu-node-0", "namespace": "zl-run"}]
+
+
+def test_key_hashes_are_the_runtimes_digest_and_the_entry_round_trips():
+    from zerolayer.runtime.incluster import published_entries
+    from zerolayer.runtime.tenants import key_hash
+
+    assert m.key_hashes("sk-b\n\n sk-a \nsk-b\n") == sorted({key_hash("sk-a"), key_hash("sk-b")})
+    body = tquota()
+    body["metadata"]["creationTimestamp"] = "2026-01-02T03:04:05Z"
+    entry = m.build_tenant_key_entry(body, m.key_hashes("sk-a"))
+    assert m.read_tenant_key_entry(entry) == {"tenant": "team-a", "created": "2026-01-02T03:04:05Z",
+                                              "hashes": [key_hash("sk-a")]}
+    assert published_entries({"data": {"team-a": entry}}) == {
+        "team-a": {"tenant": "team-a", "created": "2026-01-02T03:04:05Z", "hashes": frozenset({key_hash("sk-a")})}}
+    assert "sk-a" not in entry and "sk-a" not in m.read_tenant_key_entry(entry)["hashes"]
 
 
 def test_network_policies_admit_only_declared_namespaces_on_the_serving_port():

@@ -15,7 +15,8 @@ from .fakes import FakeKube
 
 NOW = datetime.datetime(2026, 1, 1, 12, tzinfo=datetime.timezone.utc)
 CONFIG = OperatorConfig(runtime_namespace="zl-run", operator_namespace="zl-op")
-RUNTIME_KINDS = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "NetworkPolicy", "Service", "ServiceAccount"]
+RUNTIME_KINDS = ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "NetworkPolicy", "Role", "RoleBinding", "Service",
+                 "ServiceAccount"]
 
 
 def world(with_node=True):
@@ -68,7 +69,7 @@ async def test_first_reconcile_labels_node_creates_children_and_reports_progress
     assert c["GossipFresh"]["status"] == "Unknown"
     assert c["Ready"]["status"] == "False" and c["Ready"]["observedGeneration"] == 3
     reasons = [e[2] for e in kube.events]
-    assert reasons.count("Created") == 6 and "NodeLabelled" in reasons
+    assert reasons.count("Created") == 8 and "NodeLabelled" in reasons
     assert any("Created DaemonSet zl-run/zl-runtime-gpu-node-0" == e[3] for e in kube.events)
     assert not outcome.ready
 
@@ -181,12 +182,17 @@ def tq(kube):
     return current(kube, "TenantQuota", "team-a")
 
 
-async def test_tenant_quota_creates_policy_and_secret_access_and_keeps_usage():
+async def test_tenant_quota_creates_policy_publishes_key_hashes_and_keeps_usage():
+    from zerolayer.runtime.tenants import key_hash
+
     kube, rec, body = tq_world()
     outcome = await rec.reconcile_tenant_quota(body)
     assert outcome.ready
     assert kube.kinds("NetworkPolicy") == ["zl-tenant-team-a"]
-    assert kube.kinds("Role") == ["zl-tenant-team-a"] and kube.kinds("RoleBinding") == ["zl-tenant-team-a"]
+    assert kube.kinds("Role") == [] and kube.kinds("RoleBinding") == []  # runtimes read no tenant Secret
+    assert kube.published_tenant_keys("zl-run")["team-a"]["hashes"] == sorted(
+        [key_hash("sk-secret-1"), key_hash("sk-secret-2")])
+    assert "sk-secret" not in repr(kube.objects)
     status = tq(kube)["status"]
     assert status["phase"] == "Ready" and status["keyCount"] == 2
     assert status["networkPolicies"] == ["zl-tenant-team-a"]
@@ -234,18 +240,25 @@ async def test_tenant_quota_delete_cleans_up():
     await rec.reconcile_tenant_quota(body)
     await rec.delete_tenant_quota(snapshot(kube, "TenantQuota", "team-a"))
     assert kube.kinds("NetworkPolicy") == kube.kinds("Role") == kube.kinds("RoleBinding") == []
+    assert kube.published_tenant_keys("zl-run") == {}
 
 
-async def test_secret_namespace_change_moves_the_role():
+async def test_secret_namespace_change_publishes_the_new_keys_and_drops_legacy_secret_access():
+    from zerolayer.runtime.tenants import key_hash
+
     kube, rec, body = tq_world()
+    legacy = {"apiVersion": "rbac.authorization.k8s.io/v1", "metadata": {"name": "zl-tenant-team-a",
+                                                                         "namespace": "zl-run"}}
+    kube.put({**legacy, "kind": "Role"})
+    kube.put({**legacy, "kind": "RoleBinding"})
     await rec.reconcile_tenant_quota(body)
-    kube.secrets[("vault", "team-a-keys")] = {"api-keys": "k\n"}
+    assert kube.kinds("Role") == kube.kinds("RoleBinding") == []
+    kube.secrets[("team-a", "team-a-keys")] = {"api-keys": "k\n"}  # the tenant's own namespace: allowed
     new = snapshot(kube, "TenantQuota", "team-a")
     old = {"spec": dict(new["spec"])}
-    new["spec"] = {**new["spec"], "apiKeySecretRef": {"name": "team-a-keys", "namespace": "vault"}}
+    new["spec"] = {**new["spec"], "apiKeySecretRef": {"name": "team-a-keys", "namespace": "team-a"}}
     await rec.reconcile_tenant_quota(new, old)
-    roles = [k for k in kube.objects if k[1] == "Role"]
-    assert roles == [("rbac.authorization.k8s.io/v1", "Role", "vault", "zl-tenant-team-a")]
+    assert kube.published_tenant_keys("zl-run")["team-a"]["hashes"] == [key_hash("k")]
 
 
 async def test_a_second_inference_node_for_the_same_node_is_refused_until_the_first_goes():

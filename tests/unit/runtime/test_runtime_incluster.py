@@ -8,7 +8,7 @@ import pytest
 
 from zerolayer.contract import Priority
 from zerolayer.runtime.config import parse_config
-from zerolayer.runtime.incluster import TenantSync, config_from_inferencenode, tenants_from_quotas
+from zerolayer.runtime.incluster import TenantSync, config_from_inferencenode, published_entries, tenants_from_quotas
 from zerolayer.runtime.tenants import key_hash
 
 def inode(**spec):  # type: ignore[no-untyped-def]
@@ -21,8 +21,10 @@ def quota(name, secret="keys", **spec):  # type: ignore[no-untyped-def]
     return {"metadata": {"name": name}, "spec": {**base, **spec}}
 
 
-def secret(*keys: str, entry: str = "api-keys"):  # type: ignore[no-untyped-def]
-    return {"data": {entry: base64.b64encode("\n".join(keys).encode()).decode()}}
+def published(**keys):  # type: ignore[no-untyped-def]
+    """The operator's published entries (runtime/incluster.py published_entries), by TenantQuota name."""
+    return {name: {"tenant": name, "created": "", "hashes": frozenset(key_hash(k) for k in ks)}
+            for name, ks in keys.items()}
 
 
 def test_inferencenode_becomes_a_valid_config():
@@ -46,13 +48,14 @@ def test_synthetic_node_serves_every_model_name():
     assert mapping["engine"] == {"kind": "synthetic", "models": ["a", "b"]}
 
 
-def test_quotas_and_secrets_become_tenants():
+def test_quotas_and_published_hashes_become_tenants():
     quotas = [quota("acme", allowedPriorities=["high", "normal"], allowedModels=["big"]),
               quota("globex", secret="gx", maxConcurrentStreams=5),
               quota("nokeys", secret="missing")]
-    secrets = {("zerolayer", "keys"): secret("sk-1", "sk-2", ""), ("zerolayer", "gx"): secret("sk-g")}
-    tenants = {t.name: t for t in tenants_from_quotas(quotas, secrets, "zerolayer")}
+    view = tenants_from_quotas(quotas, published(acme=["sk-1", "sk-2"], globex=["sk-g"]))
+    tenants = {t.name: t for t in view.tenants}
     assert set(tenants) == {"acme", "globex"}  # no keys, no tenant
+    assert set(view.problems) == {"nokeys"}
     assert tenants["acme"].key_hashes == {key_hash("sk-1"), key_hash("sk-2")}
     assert tenants["acme"].policy.allowed_priorities == {Priority.HIGH, Priority.NORMAL}
     assert tenants["acme"].policy.allowed_models == {"big"}
@@ -61,18 +64,26 @@ def test_quotas_and_secrets_become_tenants():
     assert tenants["globex"].policy.tokens_per_minute == 1000
 
 
+def test_a_published_entry_that_does_not_decode_serves_nobody():
+    good = base64.b64encode(b'{"tenant": "acme", "hashes": ["' + b"a" * 64 + b'"]}').decode()
+    bad = base64.b64encode(b'{"tenant": "globex", "hashes": ["sk-plaintext-key"]}').decode()
+    entries = published_entries({"data": {"acme": good, "globex": bad, "junk": "!!"}})
+    assert set(entries) == {"acme"} and entries["acme"]["hashes"] == {"a" * 64}
+
+
 class FakeReader:
     """Test double of KubeReader (our own wrapper), holding API objects in memory."""
 
     def __init__(self) -> None:
         self.quotas = [quota("acme")]
-        self.secrets = {("zerolayer", "keys"): secret("sk-old")}
+        self.keys = published(acme=["sk-old"])
 
     def tenant_quotas(self):  # type: ignore[no-untyped-def]
         return list(self.quotas)
 
-    def secret(self, namespace, name):  # type: ignore[no-untyped-def]
-        return self.secrets.get((namespace, name))
+    def tenant_keys(self, namespace):  # type: ignore[no-untyped-def]
+        assert namespace == "zerolayer"
+        return dict(self.keys)
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -81,7 +92,7 @@ async def test_sync_applies_only_changes():
     sync = TenantSync(reader, applied.append, namespace="zerolayer")
     assert await sync.sync_once() is True
     assert await sync.sync_once() is False  # nothing changed: nothing applied
-    reader.secrets[("zerolayer", "keys")] = secret("sk-new")  # key rotation
+    reader.keys = published(acme=["sk-new"])  # key rotation
     assert await sync.sync_once() is True
     assert applied[-1][0].key_hashes == {key_hash("sk-new")}
     reader.quotas = []
