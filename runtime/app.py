@@ -211,6 +211,7 @@ class Application:
             max_tokens=0,
             deadline=terms.effective_deadline(False),
             session=terms.session,
+            arrived=now,
         )
         admission = self.scheduler.admit(ticket, now)
         if not admission.admitted:

@@ -48,6 +48,7 @@ class Ticket:
     max_tokens: int
     deadline: float | None  # monotonic seconds, None = no deadline
     session: str | None = None
+    arrived: float | None = None  # monotonic seconds the request arrived; bounds how far a deadline jumps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,6 +77,11 @@ class SchedulerConfig:
     prefill_tokens_per_s: float = 4000.0
     queue_delay_per_waiting_s: float = 0.0
 
+    # --- ordering (``priority-deadline``): a deadline moves a request ahead of requests of its class
+    #: that arrived at most this long before it, never further (docs/security.md, finding 13): a
+    #: free TTFT deadline cannot starve other tenants.
+    deadline_fairness_s: float = 5.0
+
     def __post_init__(self) -> None:
         for name, marks in (("low", self.watermarks(Priority.LOW)), ("normal", self.watermarks(Priority.NORMAL))):
             if not 0.0 < marks.resume_below < marks.shed_at <= 1.0:
@@ -95,7 +100,7 @@ class SchedulerConfig:
             raise SchedulerConfigError("kv_capacity_tokens must be >= 0 (0 = no projection between samples)")
         if self.max_preemptions_per_tick < 0:
             raise SchedulerConfigError("max_preemptions_per_tick must be >= 0 (0 disables preemption)")
-        for name in ("quota_window_s", "prefill_tokens_per_s"):
+        for name in ("quota_window_s", "prefill_tokens_per_s", "deadline_fairness_s"):
             if getattr(self, name) <= 0:
                 raise SchedulerConfigError(f"{name} must be > 0")
         for name in ("pressure_retry_after_s", "concurrency_retry_after_s", "min_first_token_s",

@@ -228,20 +228,29 @@ class ClassOrdering:
 
 @_register(ORDERINGS, "priority-deadline")
 class DeadlineOrdering:
-    """Classes first, then earliest deadline first within a class; no deadline goes last.
+    """Classes first, then earliest deadline first within a class, with a fairness bound.
 
-    The rank is the absolute deadline in monotonic milliseconds, so two tickets compare by
-    deadline whenever they were admitted. Classes never interleave (``CLASS_STRIDE``).
+    The rank is ``min(deadline, arrived + deadline_fairness_s)`` in monotonic milliseconds, so
+    two tickets compare whenever they were admitted; a request without a deadline ranks at
+    ``arrived + deadline_fairness_s``. A deadline (even a TTFT budget, which costs nothing once
+    the first token is out) thus moves a request ahead only of requests that arrived at most
+    ``deadline_fairness_s`` before it. A ticket with no arrival time ranks by its deadline alone,
+    no deadline last. Classes never interleave (``CLASS_STRIDE``).
     """
 
     def __init__(self, state: SharedState) -> None:
-        pass
+        self._state = state
 
     def engine_priority(self, ticket: Ticket) -> int:
-        rank = CLASS_STRIDE - 1
+        candidates = []
         # A non-finite deadline ranks as none (the headers refuse them; this keeps the plugin total).
         if ticket.deadline is not None and math.isfinite(ticket.deadline):
-            rank = min(CLASS_STRIDE - 1, max(0, int(ticket.deadline * 1000)))
+            candidates.append(ticket.deadline)
+        if ticket.arrived is not None and math.isfinite(ticket.arrived):
+            candidates.append(ticket.arrived + self._state.config.deadline_fairness_s)
+        rank = CLASS_STRIDE - 1
+        if candidates:
+            rank = min(CLASS_STRIDE - 1, max(0, int(min(candidates) * 1000)))
         return int(ticket.priority) * CLASS_STRIDE + rank
 
 
