@@ -77,6 +77,7 @@ def whole_records(data: bytes, limit: int) -> int:
 
 
 def count_records(data: bytes, limit: int) -> int:
+    """Records in the first ``limit`` bytes of ``data`` (``limit`` from :func:`whole_records`)."""
     pos = count = 0
     while pos < limit:
         pos += int.from_bytes(data[pos:pos + 4], "little")
