@@ -18,7 +18,8 @@ from zerolayer.runtime.engine.base import EngineStats
 from zerolayer.runtime.limits import Limits
 
 
-SLOW_PEER_TIMEOUTS = ("header_timeout_s", "body_timeout_s", "write_timeout_s")
+# Limits whose names do not start with the prefixes above, counted too (docs/security.md).
+OTHER_LIMITS = ("header_timeout_s", "body_timeout_s", "write_timeout_s", "auth_failure_burst")
 
 
 class _EngineCollector(Collector):
@@ -65,7 +66,7 @@ class RuntimeMetrics:
                                    registry=r)
         # Every limit appears at 0 from the start, so alerts can be written before the first hit.
         for name in Limits.__dataclass_fields__:
-            if name.startswith(("max_", "rapid_", "empty_", "window_")) or name in SLOW_PEER_TIMEOUTS:
+            if name.startswith(("max_", "rapid_", "empty_", "window_")) or name in OTHER_LIMITS:
                 self.limit_hits.labels(name)
 
     def watch_engine(self, stats: Callable[[], EngineStats], model: Callable[[], str]) -> None:
