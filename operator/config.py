@@ -8,6 +8,7 @@ runtime defaults per node.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import re
 from typing import Any, Mapping
@@ -26,6 +27,8 @@ ENV = {
     "runtime_resources": "ZEROLAYER_RUNTIME_RESOURCES",
     "metrics_scraper_namespaces": "ZEROLAYER_METRICS_SCRAPER_NAMESPACES",
     "tenant_secret_namespaces": "ZEROLAYER_TENANT_SECRET_NAMESPACES",
+    "runtime_metrics_port": "ZEROLAYER_RUNTIME_METRICS_PORT",
+    "api_server_cidrs": "ZEROLAYER_API_SERVER_CIDRS",
     "resync_seconds": "ZEROLAYER_RESYNC_SECONDS",
 }
 
@@ -37,6 +40,8 @@ class OperatorConfig:
     ``runtime_namespace`` holds every namespaced child (DaemonSets, ServiceAccounts,
     Services, NetworkPolicies) and the fleet's Secret of key hashes; only each runtime's own
     ServiceAccount (by name) may read that Secret, and no runtime reads a tenant's Secret.
+    ``runtime_metrics_port``: the runtime's /metrics port, admitted only from the scrapers'
+    namespaces. ``api_server_cidrs``: the API server's addresses, for the runtime's egress policy.
     ``tenant_secret_namespaces``: namespaces a TenantQuota's ``apiKeySecretRef`` may name
     besides the tenant's own ``spec.namespaces`` and the runtime namespace.
     ``operator_namespace`` is where the operator's own pod runs (its NetworkPolicy peer).
@@ -53,6 +58,10 @@ class OperatorConfig:
     )
     metrics_scraper_namespaces: tuple[str, ...] = ("monitoring",)
     tenant_secret_namespaces: tuple[str, ...] = ()
+    runtime_metrics_port: int = 9464
+    # Where runtime pods may open connections to the API server (their egress NetworkPolicy).
+    # Empty: any address except link-local (the cloud metadata endpoint), on 443 and 6443.
+    api_server_cidrs: tuple[str, ...] = ()
     resync_seconds: float = 30.0
 
     def __post_init__(self) -> None:
@@ -65,8 +74,16 @@ class OperatorConfig:
             for ns in names:
                 if not _DNS_LABEL.match(ns):
                     raise ConfigError(f"{what} namespace {ns!r} is not a valid namespace name")
-        if not 1 <= int(self.runtime_port) <= 65535:
-            raise ConfigError(f"runtime port {self.runtime_port} is outside 1..65535")
+        for what, port in (("runtime port", self.runtime_port), ("runtime metrics port", self.runtime_metrics_port)):
+            if not 1 <= int(port) <= 65535:
+                raise ConfigError(f"{what} {port} is outside 1..65535")
+        if int(self.runtime_metrics_port) == int(self.runtime_port):
+            raise ConfigError("the runtime's metrics port must differ from its serving port")
+        for cidr in self.api_server_cidrs:
+            try:
+                ipaddress.ip_network(cidr)
+            except ValueError as exc:
+                raise ConfigError(f"API server CIDR {cidr!r}: {exc}") from None
         if self.runtime_image_pull_policy not in ("Always", "IfNotPresent", "Never"):
             raise ConfigError(f"runtime image pull policy {self.runtime_image_pull_policy!r}: use Always, IfNotPresent or Never")
         if not self.runtime_image:
@@ -85,13 +102,13 @@ class OperatorConfig:
             if raw is None or raw == "":
                 continue
             try:
-                if field == "runtime_port":
+                if field in ("runtime_port", "runtime_metrics_port"):
                     values[field] = int(raw)
                 elif field == "resync_seconds":
                     values[field] = float(raw)
                 elif field == "runtime_resources":
                     values[field] = json.loads(raw)
-                elif field in ("metrics_scraper_namespaces", "tenant_secret_namespaces"):
+                elif field in ("metrics_scraper_namespaces", "tenant_secret_namespaces", "api_server_cidrs"):
                     values[field] = tuple(n.strip() for n in raw.split(",") if n.strip())
                 else:
                     values[field] = raw

@@ -48,3 +48,13 @@ class NotFound(KubeError):
 
 class Conflict(KubeError):
     """The object exists already or changed under us (HTTP 409)."""
+
+
+class NotOwned(KubeError):
+    """A child of ours by name is controlled by another object (two owners map to one child name).
+
+    Raised by ``Kube.ensure`` instead of adopting it: the operator never patches or deletes it."""
+
+    def __init__(self, message: str, controller: str):
+        self.controller = controller
+        super().__init__(message, status=409, reason="NotOwned")

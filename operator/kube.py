@@ -33,7 +33,7 @@ import kubernetes.utils
 from kubernetes import client as k8s_client
 
 from zerolayer.operator import manifests
-from zerolayer.operator.errors import Conflict, KubeError, NotFound
+from zerolayer.operator.errors import Conflict, KubeError, NotFound, NotOwned
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +331,10 @@ class Kube:
                 if current is None:
                     raise KubeError(f"{kind} {name} exists and does not: it is being deleted", status=409,
                                     reason="Conflict") from None
+        owner_uid = next((r.get("uid") for r in meta.get("ownerReferences") or () if r.get("controller")), None)
+        other = manifests.foreign_controller(current, owner_uid)
+        if other is not None:
+            raise NotOwned(f"{kind} {name} is controlled by {other}; not adopting it", other)
         if current.get("metadata", {}).get("deletionTimestamp"):
             self._seen.pop(key, None)  # read it fresh next time
             raise KubeError(f"{kind} {name} is being deleted; will recreate it once it is gone", status=409,

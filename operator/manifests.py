@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import urllib.parse
 from typing import Any, Mapping
 
 from zerolayer import models as model_layout
@@ -56,6 +57,7 @@ CONFIG_HASH_ANNOTATION = "zerolayer.io/runtime-config-hash"
 
 TLS_MOUNT = "/etc/zerolayer/tls"  # the tlsSecretName Secret (tls.crt, tls.key) in the server container
 SERVING_PORT_NAME = "serving"  # containerPort name; policies use it so per-node ports need no lookup
+METRICS_PORT_NAME = "metrics"  # the runtime's /metrics, admitted only from the scrapers' namespaces
 RUNTIME_UID = 65532
 
 CILIUM_CRD = "ciliumnetworkpolicies.cilium.io"
@@ -106,6 +108,17 @@ def owner_reference(owner: Mapping[str, Any]) -> dict:
         "uid": meta["uid"],
         "controller": True,
     }
+
+
+def foreign_controller(current: Mapping[str, Any], owner_uid: str | None) -> str | None:
+    """``Kind/name`` of the controller of ``current`` when it is not the object with ``owner_uid``.
+
+    Two owners can map to one child name (``a.b`` and ``a-b``); the child belongs to whichever
+    created it, and the other must neither adopt, patch nor delete it."""
+    for ref in (current.get("metadata") or {}).get("ownerReferences") or ():
+        if ref.get("controller") and owner_uid and ref.get("uid") != owner_uid:
+            return f"{ref.get('kind')}/{ref.get('name')}"
+    return None
 
 
 def _meta(name: str, namespace: str | None, owner: Mapping[str, Any], owner_label: str) -> dict:
@@ -398,8 +411,49 @@ def model_token_secrets(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
     return refs
 
 
-def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
+# The service-account token, CA and namespace where client libraries look for them, as the
+# kubelet's automount would put them, but mounted only into the containers that call the API.
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+API_ACCESS_VOLUME = {"name": "kube-api-access", "projected": {"defaultMode": 0o444, "sources": [
+    {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+    {"downwardAPI": {"items": [{"path": "namespace",
+                                "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+]}}
+API_ACCESS_MOUNT = {"name": "kube-api-access", "mountPath": SA_DIR, "readOnly": True}
+CLICKHOUSE_USER_ENV, CLICKHOUSE_PASSWORD_ENV = "ZEROLAYER_CLICKHOUSE_USER", "ZEROLAYER_CLICKHOUSE_PASSWORD"
+
+
+def _clickhouse_args(audit: Mapping[str, Any]) -> list[str]:
+    """``--clickhouse=URL``; with a credentials Secret the URL carries ``$(VAR)`` references that the
+    kubelet expands inside the container, so neither the spec nor ``kubectl describe`` shows them."""
+    if audit.get("store") != "clickhouse":
+        return []
+    url = audit["clickhouseUrl"]
+    if (audit.get("clickhouseCredentialsSecretRef") or {}).get("name"):
+        scheme, _, rest = url.partition("://")
+        url = f"{scheme}://$({CLICKHOUSE_USER_ENV}):$({CLICKHOUSE_PASSWORD_ENV})@{rest}"
+    return [f"--clickhouse={url}"]
+
+
+def _clickhouse_env(audit: Mapping[str, Any]) -> list[dict]:
+    ref = audit.get("clickhouseCredentialsSecretRef") or {}
+    if audit.get("store") != "clickhouse" or not ref.get("name"):
+        return []
+    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref.get(key) or default}}}
+            for var, key, default in ((CLICKHOUSE_USER_ENV, "usernameKey", "username"),
+                                      (CLICKHOUSE_PASSWORD_ENV, "passwordKey", "password"))]
+
+
+def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig, node_gpus: int | None = None) -> dict:
     """The runtime workload of one InferenceNode: a DaemonSet that lands on exactly its node.
+
+    Only the ``server`` container runs ``spec.runtime.image``: the containers with root or
+    extra capabilities (auditor, defragd, model downloads) run the operator's configured image,
+    so writing InferenceNodes does not mean choosing what runs with BPF and ptrace on the node.
+    ``node_gpus`` is the Node's allocatable ``nvidia.com/gpu``: defragd is included only when the
+    runtime requests all of them, because a sidecar cannot share the server's device-plugin
+    allocation and ``NVIDIA_VISIBLE_DEVICES=all`` would otherwise show it other pods' GPUs.
 
     One DaemonSet per InferenceNode (not one for all): images, resources, GPU count and
     drain time come from each InferenceNode's spec, and each pod runs as its own
@@ -416,7 +470,9 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
     selector = runtime_selector(name)
     image = runtime.get("image") or config.runtime_image
     pull = runtime.get("imagePullPolicy") or config.runtime_image_pull_policy
+    trusted, trusted_pull = config.runtime_image, config.runtime_image_pull_policy  # root/capable containers
     port = int(runtime.get("port") or config.runtime_port)
+    metrics_port = int(config.runtime_metrics_port)
     gpus = int(runtime.get("gpus", 1))
     drain = int(runtime.get("drainSeconds", 120))
     tls = runtime.get("tlsSecretName")
@@ -431,13 +487,15 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
             "failureThreshold": failures,
         }
 
-    storage = build_model_storage(spec, image, pull)
+    storage = build_model_storage(spec, trusted, trusted_pull)
     server_mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "run", "mountPath": "/run/zerolayer"}]
     server_mounts += storage.server_mounts
     volumes: list[dict] = [
         {"name": "tmp", "emptyDir": {}},
         {"name": "run", "emptyDir": {}},
+        API_ACCESS_VOLUME,
     ] + storage.volumes
+    server_mounts.append(dict(API_ACCESS_MOUNT))
     if tls:
         # The runtime reads tls.crt and tls.key from here (TLS_DIR in runtime/incluster.py).
         server_mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
@@ -448,11 +506,14 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
             "name": "server",
             "image": image,
             "imagePullPolicy": pull,
-            "args": ["runtime", f"--node-name={name}", f"--port={port}", f"--audit-spool={AUDIT_SPOOL}"]
-            + (["--audit-journal"] if audit.get("mode") == "inprocess" else []),
+            "args": ["runtime", f"--node-name={name}", f"--port={port}", f"--metrics-port={metrics_port}",
+                     f"--audit-spool={AUDIT_SPOOL}"]
+            # auto falls back to the journal when BPF cannot run: the journal must then exist.
+            + (["--audit-journal"] if audit.get("mode", "auto") in ("auto", "inprocess") else []),
             # The server only reads models from its mounts: never reach out to a hub.
             "env": env + [{"name": "HF_HUB_OFFLINE", "value": "1"}],
-            "ports": [{"name": SERVING_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+            "ports": [{"name": SERVING_PORT_NAME, "containerPort": port, "protocol": "TCP"},
+                      {"name": METRICS_PORT_NAME, "containerPort": metrics_port, "protocol": "TCP"}],
             # Model loading can take minutes; the startup probe holds liveness off until then.
             "startupProbe": probe("/healthz", 10, 60),
             "readinessProbe": probe("/readyz", 5, 2),
@@ -462,7 +523,7 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
             "volumeMounts": server_mounts,
         }
     ]
-    if defrag.get("enabled", True):
+    if defrag.get("enabled", True) and node_gpus is not None and gpus >= node_gpus > 0:
         defrag_security = dict(_NON_ROOT)
         if defrag.get("allowReset"):
             # A GPU reset goes through the driver's privileged ioctl: root with SYS_ADMIN,
@@ -472,19 +533,20 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
         containers.append(
             {
                 "name": "defragd",
-                "image": image,
-                "imagePullPolicy": pull,
+                "image": trusted,
+                "imagePullPolicy": trusted_pull,
                 "args": ["defragd", f"--node-name={name}"]
                 + (["--dry-run"] if defrag.get("dryRun") else []),
                 # NVML only (no compute); same UID as the server, so with the shared process
-                # namespace it can signal the pod's own processes and nothing else.
+                # namespace it can signal the pod's own processes and nothing else. "all" is
+                # exactly the server's allocation here: the runtime holds every GPU of the node.
                 "env": env + [
                     {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
                     {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
                 ],
                 "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
                 "securityContext": defrag_security,
-                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, dict(API_ACCESS_MOUNT)],
             }
         )
     if audit.get("enabled", True):
@@ -499,15 +561,16 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
         containers.append(
             {
                 "name": "auditor",
-                "image": image,
-                "imagePullPolicy": pull,
+                "image": trusted,
+                "imagePullPolicy": trusted_pull,
                 # Meter this pod's runtime only: its cgroup, found from the pod's UID in the host's cgroup tree.
                 "args": ["auditor", f"--source={AUDIT_SOURCES[audit.get('mode', 'auto')]}",
                          f"--spool={AUDIT_SPOOL}", f"--db={AUDIT_DB}", "--tenant-quotas",
                          "--pod-uid=$(POD_UID)", "--cgroup-root=/host/sys/fs/cgroup"]
-                + ([f"--clickhouse={audit['clickhouseUrl']}"] if audit.get("store") == "clickhouse" else []),
+                + _clickhouse_args(audit),
                 "env": env + [{"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1",
-                                                                             "fieldPath": "metadata.uid"}}}],
+                                                                             "fieldPath": "metadata.uid"}}}]
+                + _clickhouse_env(audit),
                 "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
                 "securityContext": {
                     "privileged": False,
@@ -528,6 +591,7 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
                     {"name": "usr-src", "mountPath": "/usr/src", "readOnly": True},
                     {"name": "audit", "mountPath": "/var/lib/zerolayer/audit"},
                     {"name": "cgroup", "mountPath": "/host/sys/fs/cgroup", "readOnly": True},
+                    dict(API_ACCESS_MOUNT),
                 ],
             }
         )
@@ -548,7 +612,9 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
                 },
                 "spec": {
                     "serviceAccountName": child,
-                    "automountServiceAccountToken": True,
+                    # The token goes only where the API is called (API_ACCESS_MOUNT in server,
+                    # defragd and auditor), not into the model downloads.
+                    "automountServiceAccountToken": False,
                     # defragd signals idle engine processes in this pod only.
                     "shareProcessNamespace": True,
                     # SIGTERM starts the drain; the kubelet waits this long before SIGKILL.
@@ -643,21 +709,65 @@ def _namespace_peer(namespaces) -> dict:
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(set(namespaces))}]}}
 
 
+LINK_LOCAL = ("169.254.0.0/16", "fe80::/10")  # cloud metadata endpoints live here
+
+
+def _anywhere_but_link_local() -> list[dict]:
+    return [{"ipBlock": {"cidr": "0.0.0.0/0", "except": [LINK_LOCAL[0]]}},
+            {"ipBlock": {"cidr": "::/0", "except": [LINK_LOCAL[1]]}}]
+
+
+def _url_port(url: str, default_http: int, default_https: int) -> int:
+    parsed = urllib.parse.urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    return port or (default_https if parsed.scheme == "https" else default_http)
+
+
+def _egress_rules(spec: Mapping[str, Any], config: OperatorConfig) -> list[dict]:
+    """Where a runtime pod may connect: DNS, the API server, ClickHouse when it is the audit store,
+    the model hub when a model is downloaded. Never link-local addresses (the metadata endpoint)."""
+    api = [{"ipBlock": {"cidr": c}} for c in config.api_server_cidrs] or _anywhere_but_link_local()
+    rules = [
+        {"to": [{"namespaceSelector": {}}], "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+        {"to": api, "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]},
+    ]
+    audit = spec.get("audit") or {}
+    if audit.get("store") == "clickhouse" and audit.get("clickhouseUrl"):
+        rules.append({"to": _anywhere_but_link_local(),
+                      "ports": [{"protocol": "TCP", "port": _url_port(audit["clickhouseUrl"], 8123, 8443)}]})
+    hubs = sorted({_url_port(model_layout.normalise_source(m.get("source"))["huggingFace"].get("endpoint")
+                             or "https://hub", 80, 443)
+                   for m in spec.get("models") or ()
+                   if model_layout.source_kind(model_layout.normalise_source(m.get("source"))) == "huggingFace"})
+    if hubs:
+        rules.append({"to": _anywhere_but_link_local(), "ports": [{"protocol": "TCP", "port": p} for p in hubs]})
+    return rules
+
+
 def build_runtime_networkpolicy(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
-    """Isolate one runtime pod: only the operator's and the metrics scrapers' namespaces reach
-    its serving port. Tenants' policies (:func:`build_tenant_networkpolicy`) add to this;
-    NetworkPolicies only ever add allowances, so everything else stays refused."""
+    """Isolate one runtime pod.
+
+    Ingress: the operator's namespace reaches the serving port, the metrics scrapers' namespaces
+    the metrics port only (per-tenant names and volumes live there). Tenants' policies
+    (:func:`build_tenant_networkpolicy`) add serving for their namespaces; NetworkPolicies only ever
+    add allowances, so everything else stays refused. Egress: :func:`_egress_rules`.
+    """
     name = inode["metadata"]["name"]
-    peers = {config.operator_namespace, *config.metrics_scraper_namespaces}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(runtime_name(name), config.runtime_namespace, inode, OWNER_NODE_LABEL),
         "spec": {
             "podSelector": {"matchLabels": runtime_selector(name)},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [_namespace_peer(peers)],
-                         "ports": [{"protocol": "TCP", "port": SERVING_PORT_NAME}]}],
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [_namespace_peer([config.operator_namespace])],
+                         "ports": [{"protocol": "TCP", "port": SERVING_PORT_NAME}]},
+                        {"from": [_namespace_peer(config.metrics_scraper_namespaces)],
+                         "ports": [{"protocol": "TCP", "port": METRICS_PORT_NAME}]}],
+            "egress": _egress_rules(inode.get("spec") or {}, config),
         },
     }
 

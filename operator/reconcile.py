@@ -26,7 +26,7 @@ from zerolayer.operator import conditions as cond
 from zerolayer.operator import manifests as m
 from zerolayer.operator import validation
 from zerolayer.operator.config import OperatorConfig
-from zerolayer.operator.errors import KubeError, NotFound, OperatorError, SpecError
+from zerolayer.operator.errors import KubeError, NotFound, NotOwned, OperatorError, SpecError
 from zerolayer.operator.kube import Kube, SecretCheck
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,19 @@ class Reconciler:
         await self.kube.event(body, reason, message, warning=warning)
 
     async def _ensure_all(self, body: Mapping[str, Any], manifests: list[dict], outcome: Outcome) -> dict[str, dict]:
-        results = await asyncio.gather(*(self.kube.ensure(x) for x in manifests))
+        results = await asyncio.gather(*(self.kube.ensure(x) for x in manifests), return_exceptions=True)
+        conflicts = [r for r in results if isinstance(r, NotOwned)]
+        if conflicts:
+            # Another object's child has our child's name: refuse it, leave it alone, say so.
+            message = f"{conflicts[0]}; rename one of the two (their child names collide)"
+            kind = INODE if body.get("kind") == "InferenceNode" else TQUOTA
+            new = await self._conditions_status(body, kind, [cond.condition("Ready", False, "ChildConflict", message)],
+                                                "Degraded")
+            await self._note_transition(body, outcome, new, "Degraded")
+            raise WaitingFor(message, delay=self.config.resync_seconds)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
         objects = {}
         for manifest, (result, obj) in zip(manifests, results):
             objects[manifest["kind"]] = obj
@@ -240,7 +252,9 @@ class Reconciler:
             await self._note_transition(body, outcome, new, "Pending")
             raise WaitingFor(missing[1], delay=min(30.0, self.config.resync_seconds))
 
-        objects = await self._ensure_all(body, children + [m.build_daemonset(body, self.config)], outcome)
+        allocatable = ((node.get("status") or {}).get("allocatable") or {}).get("nvidia.com/gpu")
+        node_gpus = int(allocatable) if str(allocatable or "").isdigit() else None
+        objects = await self._ensure_all(body, children + [m.build_daemonset(body, self.config, node_gpus)], outcome)
         runtime_ready = self._runtime_condition(objects["DaemonSet"], node_name)
         models = await self._models_condition(spec, name, runtime_ready)
         gossip = self._gossip_condition(body)
@@ -382,11 +396,24 @@ class Reconciler:
                 ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", None),
                 ("rbac.authorization.k8s.io/v1", "ClusterRole", None), ("v1", "ServiceAccount", ns),
             ):
-                if await self.kube.delete(api_version, kind, child, namespace):
+                if await self._delete_owned(body, api_version, kind, child, namespace):
                     where = f"{namespace}/" if namespace else ""
                     await self._act(body, outcome, "Deleted", f"Deleted {kind} {where}{child}")
         self._locks.pop(f"InferenceNode/{name}", None)
         return outcome
+
+    async def _delete_owned(self, body: Mapping[str, Any], api_version: str, kind: str, name: str,
+                            namespace: str | None) -> bool:
+        """Delete a child by name unless another object controls it (see manifests.foreign_controller)."""
+        current = await self.kube.get(api_version, kind, name, namespace)
+        if current is None:
+            return False
+        other = m.foreign_controller(current, body["metadata"].get("uid"))
+        if other is not None:
+            log.warning("%s %s: not deleting %s %s, it belongs to %s", body.get("kind"), body["metadata"]["name"],
+                        kind, name, other)
+            return False
+        return await self.kube.delete(api_version, kind, name, namespace)
 
     # ================================================================= TenantQuota
     async def reconcile_tenant_quota(self, body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Outcome:
@@ -566,7 +593,7 @@ class Reconciler:
             if await self.kube.crd_exists(m.CILIUM_CRD):
                 targets.insert(0, ("cilium.io/v2", "CiliumNetworkPolicy", self.config.runtime_namespace))
             for api_version, kind, namespace in targets:
-                if await self.kube.delete(api_version, kind, child, namespace):
+                if await self._delete_owned(body, api_version, kind, child, namespace):
                     await self._act(body, outcome, "Deleted", f"Deleted {kind} {namespace}/{child}")
         self._locks.pop(f"TenantQuota/{name}", None)
         self._legacy_checked.discard(name)

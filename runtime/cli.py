@@ -31,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="how often TenantQuotas and the published key hashes are re-read in cluster "
                              "(default 10; two reads whatever the number of tenants)")
     parser.add_argument("--port", type=int, default=None, help="override listen.port")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="also serve GET /metrics on this port (all interfaces), so a NetworkPolicy can admit "
+                             "only the scrapers to it (the operator's pods use 9464)")
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS (ALPN h2, http/1.1) with this certificate chain; "
                                                           "overrides tls.cert (needs --tls-key)")
     parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert; overrides tls.key")
@@ -55,6 +58,34 @@ def with_tls_flags(config, cert: str | None, key: str | None):  # type: ignore[n
     import dataclasses
 
     return dataclasses.replace(config, tls_cert=cert, tls_key=key)
+
+
+async def serve_metrics(server, port: int, host: str = "0.0.0.0"):  # type: ignore[no-untyped-def]
+    """A listener that answers ``GET /metrics`` (the server's metrics and its scheduler's) and
+    nothing else, on the event loop (no thread reads engine state concurrently). HTTP/1.x, one
+    request per connection."""
+
+    def render() -> bytes:
+        extra = getattr(server.scheduler, "registry", None)
+        return server.metrics.render() + (server.metrics.render_registry(extra) if extra is not None else b"")
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            method, path = (head.split(b"\r\n", 1)[0].split(b" ") + [b"", b""])[:2]
+            if method == b"GET" and path.split(b"?")[0] == b"/metrics":
+                body, status, kind = render(), b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
+            else:
+                body, status, kind = b"not found\n", b"404 Not Found", b"text/plain"
+            writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: " + kind + b"\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(answer, host, port, limit=16384)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             # its node out of the fleet at every restart while the API server is unhappy.
             await sync.first_sync()
         await server.start()
+        metrics_listener = await serve_metrics(server, args.metrics_port) if args.metrics_port else None
         if sync is not None:
             sync.start()
         spec_sync = None
@@ -132,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             await server.serve_forever()
         finally:
+            if metrics_listener is not None:
+                metrics_listener.close()
             if sync is not None:
                 await sync.stop()
             if spec_sync is not None:

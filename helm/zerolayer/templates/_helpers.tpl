@@ -29,8 +29,10 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{- /* Runtimes get their own namespace by default: nothing of the operator's lives where runtime
+pods (which run model code on untrusted prompts) run. */ -}}
 {{- define "zerolayer.runtimeNamespace" -}}
-{{- default .Release.Namespace .Values.runtime.namespace -}}
+{{- default (printf "%s-runtime" .Release.Namespace | trunc 63 | trimSuffix "-") .Values.runtime.namespace -}}
 {{- end -}}
 
 {{- define "zerolayer.image" -}}

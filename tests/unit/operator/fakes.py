@@ -12,7 +12,8 @@ import copy
 import itertools
 
 from zerolayer.operator.kube import SecretCheck, is_subset, _comparable
-from zerolayer.operator.manifests import TENANT_KEYS_SECRET, key_hashes, read_tenant_key_entry
+from zerolayer.operator.errors import NotOwned
+from zerolayer.operator.manifests import TENANT_KEYS_SECRET, foreign_controller, key_hashes, read_tenant_key_entry
 
 _uid = itertools.count(1)
 
@@ -69,6 +70,10 @@ class FakeKube:
         if current is None:
             self.writes.append(("create",) + key)
             return "created", copy.deepcopy(self.put(desired))
+        owner_uid = next((r.get("uid") for r in meta.get("ownerReferences") or () if r.get("controller")), None)
+        other = foreign_controller(current, owner_uid)
+        if other is not None:
+            raise NotOwned(f"{desired['kind']} {meta['name']} is controlled by {other}; not adopting it", other)
         want = _comparable(desired)
         if is_subset(want, current):
             return "unchanged", copy.deepcopy(current)

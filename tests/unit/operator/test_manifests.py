@@ -22,12 +22,17 @@ def tquota(name="team-a", **spec):
                      "tokensPerMinute": 100, "requestsPerMinute": 10, **spec}}
 
 
+def build_ds(body, config=CONFIG):
+    """The DaemonSet for a Node whose GPUs the runtime requests entirely (so defragd is included)."""
+    return m.build_daemonset(body, config, node_gpus=int((body["spec"].get("runtime") or {}).get("gpus", 1)) or None)
+
+
 def containers(ds):
     return {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
 
 
 def test_daemonset_runs_three_containers_on_exactly_its_node():
-    ds = m.build_daemonset(inode(), CONFIG)
+    ds = build_ds(inode(), CONFIG)
     pod = ds["spec"]["template"]["spec"]
     assert set(containers(ds)) == {"server", "defragd", "auditor"}
     assert pod["nodeSelector"] == {m.INFERENCE_NODE_LABEL: "true"}
@@ -40,7 +45,7 @@ def test_daemonset_runs_three_containers_on_exactly_its_node():
 
 
 def test_server_is_non_root_read_only_with_gpu_probes_and_drain():
-    ds = m.build_daemonset(inode(runtime={"gpus": 2, "drainSeconds": 60, "port": 9443}), CONFIG)
+    ds = build_ds(inode(runtime={"gpus": 2, "drainSeconds": 60, "port": 9443}), CONFIG)
     server = containers(ds)["server"]
     sc = server["securityContext"]
     assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
@@ -49,7 +54,8 @@ def test_server_is_non_root_read_only_with_gpu_probes_and_drain():
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert server["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert server["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert server["ports"] == [{"name": "serving", "containerPort": 9443, "protocol": "TCP"}]
+    assert server["ports"] == [{"name": "serving", "containerPort": 9443, "protocol": "TCP"},
+                               {"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
     assert ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 70
     env = {e["name"]: e for e in server["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
@@ -59,36 +65,39 @@ def test_server_is_non_root_read_only_with_gpu_probes_and_drain():
 
 
 def test_container_commands_follow_audit_and_defrag_settings():
-    ds = m.build_daemonset(inode(audit={"mode": "inprocess", "store": "clickhouse", "clickhouseUrl": "http://ch:8123/db"},
+    ds = build_ds(inode(audit={"mode": "inprocess", "store": "clickhouse", "clickhouseUrl": "http://ch:8123/db"},
                                  defrag={"dryRun": True}), CONFIG)
     c = containers(ds)
     assert "--audit-journal" in c["server"]["args"]
     assert "--source=journal" in c["auditor"]["args"] and "--clickhouse=http://ch:8123/db" in c["auditor"]["args"]
     assert "--spool=/run/zerolayer/audit" in c["auditor"]["args"]
     assert c["defragd"]["args"] == ["defragd", "--node-name=gpu-node-0", "--dry-run"]
-    default = containers(m.build_daemonset(inode(), CONFIG))
-    assert "--source=auto" in default["auditor"]["args"] and "--audit-journal" not in default["server"]["args"]
+    default = containers(build_ds(inode(), CONFIG))
+    # auto may fall back to the journal, so the server writes one (review finding 9d)
+    assert "--source=auto" in default["auditor"]["args"] and "--audit-journal" in default["server"]["args"]
 
 
 def test_images_and_resources_come_from_spec_over_chart_defaults():
-    ds = m.build_daemonset(inode(), CONFIG)
+    ds = build_ds(inode(), CONFIG)
     assert containers(ds)["server"]["image"] == "img:1"
     assert containers(ds)["server"]["resources"]["requests"]["memory"] == "16Gi"
-    ds = m.build_daemonset(inode(runtime={"image": "mine:2", "imagePullPolicy": "Always",
+    ds = build_ds(inode(runtime={"image": "mine:2", "imagePullPolicy": "Always",
                                           "resources": {"requests": {"memory": "4Gi"}}}), CONFIG)
     server = containers(ds)["server"]
     assert server["image"] == "mine:2" and server["imagePullPolicy"] == "Always"
     assert server["resources"]["requests"] == {"cpu": "4", "memory": "4Gi", "nvidia.com/gpu": "1"}
-    assert {c["image"] for c in containers(ds).values()} == {"mine:2"}
+    # only the server follows spec.runtime.image; root/capable containers run the operator's image
+    assert {n: c["image"] for n, c in containers(ds).items()} == {"server": "mine:2", "defragd": "img:1",
+                                                                   "auditor": "img:1"}
 
 
 def test_zero_gpus_requests_none():
-    server = containers(m.build_daemonset(inode(runtime={"gpus": 0}), CONFIG))["server"]
+    server = containers(build_ds(inode(runtime={"gpus": 0}), CONFIG))["server"]
     assert "nvidia.com/gpu" not in server["resources"].get("requests", {})
 
 
 def test_auditor_has_bpf_capabilities_and_host_mounts_but_is_not_privileged():
-    ds = m.build_daemonset(inode(), CONFIG)
+    ds = build_ds(inode(), CONFIG)
     auditor = containers(ds)["auditor"]
     sc = auditor["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
@@ -107,17 +116,17 @@ def test_auditor_has_bpf_capabilities_and_host_mounts_but_is_not_privileged():
 
 
 def test_optional_containers_follow_spec():
-    ds = m.build_daemonset(inode(defrag={"enabled": False}, audit={"enabled": False}), CONFIG)
+    ds = build_ds(inode(defrag={"enabled": False}, audit={"enabled": False}), CONFIG)
     assert set(containers(ds)) == {"server"}
     assert not any("hostPath" in v for v in ds["spec"]["template"]["spec"]["volumes"])
-    reset = containers(m.build_daemonset(inode(defrag={"enabled": True, "allowReset": True}), CONFIG))["defragd"]
+    reset = containers(build_ds(inode(defrag={"enabled": True, "allowReset": True}), CONFIG))["defragd"]
     assert reset["securityContext"]["capabilities"]["add"] == ["SYS_ADMIN"]
-    plain = containers(m.build_daemonset(inode(), CONFIG))["defragd"]
+    plain = containers(build_ds(inode(), CONFIG))["defragd"]
     assert plain["securityContext"]["runAsNonRoot"] is True and "add" not in plain["securityContext"]["capabilities"]
 
 
 def test_tls_switches_probes_to_https_and_mounts_the_secret():
-    ds = m.build_daemonset(inode(runtime={"tlsSecretName": "cert"}), CONFIG)
+    ds = build_ds(inode(runtime={"tlsSecretName": "cert"}), CONFIG)
     server = containers(ds)["server"]
     assert server["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert {"name": "tls", "secret": {"secretName": "cert"}} in ds["spec"]["template"]["spec"]["volumes"]
@@ -176,8 +185,11 @@ def test_network_policies_admit_only_declared_namespaces_on_the_serving_port():
     base = m.build_runtime_networkpolicy(inode(), CONFIG)
     rule = base["spec"]["ingress"][0]
     assert rule["ports"] == [{"protocol": "TCP", "port": "serving"}]
-    assert rule["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["monitoring", "zl-op"]
-    assert base["spec"]["policyTypes"] == ["Ingress"]
+    assert rule["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["zl-op"]
+    metrics = base["spec"]["ingress"][1]
+    assert metrics["ports"] == [{"protocol": "TCP", "port": "metrics"}]
+    assert metrics["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["monitoring"]
+    assert base["spec"]["policyTypes"] == ["Ingress", "Egress"]
     tenant = m.build_tenant_networkpolicy(tquota(), CONFIG)
     assert tenant["metadata"]["namespace"] == "zl-run"
     assert tenant["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "zerolayer-runtime"}}

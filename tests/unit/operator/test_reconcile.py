@@ -146,7 +146,7 @@ async def test_spec_change_patches_the_daemonset():
     outcome = await rec.reconcile_inference_node(body)
     assert outcome.actions == ["Updated DaemonSet zl-run/zl-runtime-gpu-node-0"]
     ds = kube.find("apps/v1", "DaemonSet", "zl-runtime-gpu-node-0", "zl-run")
-    assert {c["image"] for c in ds["spec"]["template"]["spec"]["containers"]} == {"new:2"}
+    assert {c["image"] for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "server"} == {"new:2"}
 
 
 async def test_delete_removes_labels_and_children_once():
