@@ -114,8 +114,12 @@ class Application:
         token_sink: Callable[[str, str, str, int, int, bool], Any] | None = None,
         alternatives: Callable[[str | None], str | None] | None = None,
         map_document: Callable[[], bytes | None] | None = None,
+        metrics_on_serving_port: bool = True,
     ) -> None:
         self.engine = engine
+        # False when metrics have their own listener (``--metrics-port``): the serving port, which every
+        # tenant namespace reaches, then answers /metrics with 404 (per-tenant usage is not theirs to read).
+        self.metrics_on_serving_port = metrics_on_serving_port
         # Fleet hooks, set by the node agent when this runtime knows the GPU map (docs/gpu-map.md):
         # ``alternatives(session)`` gives the ALTERNATIVES header value for a pressure refusal (None: no
         # header); ``map_document()`` gives the body of GET /v1/zerolayer/map (None: no map, 404).
@@ -153,6 +157,9 @@ class Application:
             return self._reject(api, RequestRefused(ErrorCode.INVALID_REQUEST, f"no route for {path}",
                                                     reason="not_found", http_status=404), "unknown")
         method, route = known
+        if route == "metrics" and not self.metrics_on_serving_port:
+            return self._reject(api, RequestRefused(ErrorCode.INVALID_REQUEST, "metrics are served on the metrics port",
+                                                    reason="not_found", http_status=404), "unknown")
         if head.method != method:
             return self._reject(api, RequestRefused(ErrorCode.INVALID_REQUEST, f"{path} accepts {method} only",
                                                     reason="method", http_status=405), route)

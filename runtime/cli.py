@@ -32,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "(default 10; two reads whatever the number of tenants)")
     parser.add_argument("--port", type=int, default=None, help="override listen.port")
     parser.add_argument("--metrics-port", type=int, default=None,
-                        help="also serve GET /metrics on this port (all interfaces), so a NetworkPolicy can admit "
-                             "only the scrapers to it (the operator's pods use 9464)")
+                        help="serve GET /metrics on this port (all interfaces) instead of the serving port, so a "
+                             "NetworkPolicy can admit only the scrapers to it (the operator's pods use 9464); "
+                             "the serving port then answers /metrics with 404")
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS (ALPN h2, http/1.1) with this certificate chain; "
                                                           "overrides tls.cert (needs --tls-key)")
     parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert; overrides tls.key")
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             raise RuntimeServerError("give --config FILE, or --in-cluster / --node-name NODE")
         config = with_tls_flags(config, args.tls_cert, args.tls_key)
-        server = build_server(config, port=args.port)
+        server = build_server(config, port=args.port, metrics_on_serving_port=not args.metrics_port)
     except RuntimeServerError as exc:
         print(f"zerolayer runtime: {exc}", file=sys.stderr)
         return 2

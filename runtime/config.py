@@ -233,7 +233,8 @@ def build_gpu_source(config: RuntimeConfig, engine):  # type: ignore[no-untyped-
     return NvmlSource(spec.get("indices"))
 
 
-def build_server(config: RuntimeConfig, *, port: int | None = None):  # type: ignore[no-untyped-def]
+def build_server(config: RuntimeConfig, *, port: int | None = None,  # type: ignore[no-untyped-def]
+                 metrics_on_serving_port: bool = True):
     from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, SchedulerError
     from zerolayer.runtime.server import RuntimeServer, tls_context
 
@@ -254,4 +255,5 @@ def build_server(config: RuntimeConfig, *, port: int | None = None):  # type: ig
         ssl_context=ssl_context,
         sample_interval_s=config.sample_interval_s,
         required_headers=config.required_headers,
+        metrics_on_serving_port=metrics_on_serving_port,
     )

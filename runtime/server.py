@@ -62,6 +62,7 @@ class RuntimeServer:
         required_headers: Sequence[str] = (),
         alternatives: Callable[[str | None], str | None] | None = None,
         map_document: Callable[[], bytes | None] | None = None,
+        metrics_on_serving_port: bool = True,
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
@@ -81,6 +82,7 @@ class RuntimeServer:
         self.app = Application(
             engine=engine, scheduler=scheduler, tenants=self.tenants, metrics=self.metrics, limits=self.limits,
             required_headers=required_headers, alternatives=alternatives, map_document=map_document,
+            metrics_on_serving_port=metrics_on_serving_port,
             render_extra_metrics=(lambda: self.metrics.render_registry(extra)) if extra is not None else lambda: b"",
         )
         self.connections: set[Connection] = set()

@@ -71,3 +71,24 @@ async def test_the_metrics_listener_answers_metrics_and_nothing_else():
         listener.close()
         await listener.wait_closed()
         await server.engine.close()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_serving_port_hides_metrics_when_they_have_their_own_port():
+    """What every tenant namespace reaches (the serving port) must not list other tenants' usage."""
+    from tests.regression import wire
+
+    hidden = await wire.runtime(metrics_on_serving_port=False)
+    conn, sock = wire.connect(hidden)
+    peer = wire.H2Peer(conn, sock)
+    sid = peer.request(None, path="/metrics", key=None)
+    await wire.until(lambda: peer.read() is not None and peer.status(sid) is not None)
+    assert peer.status(sid) == 404
+    assert b"zerolayer_tokens" not in bytes(sock.written)
+    # Standalone (no metrics port): the serving port keeps /metrics, as documented.
+    shown = await wire.runtime()
+    conn, sock = wire.connect(shown)
+    peer = wire.H2Peer(conn, sock)
+    sid = peer.request(None, path="/metrics", key=None)
+    await wire.until(lambda: peer.read() is not None and peer.status(sid) is not None)
+    assert peer.status(sid) == 200
