@@ -1,40 +1,62 @@
-"""``zerolayer runtime --node-name N`` in cluster: serves what its InferenceNode says, to the tenants of
-the cluster's TenantQuotas, and follows key rotation and quota removal without a restart."""
+"""``zerolayer runtime --node-name N`` in cluster, with the real operator beside it: the runtime serves
+what its InferenceNode says, to the tenants of the cluster's TenantQuotas, authenticating with the key
+hashes the operator publishes (Secret ``zl-tenant-keys`` in the runtime namespace), and follows key
+rotation and quota removal without a restart."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
 import time
-import uuid
 
 import httpx
 import pytest
-import yaml
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+from tests.e2e.operator_harness import Objects, OperatorProcess, new_run_id
 
-
-def _apply(cluster, obj: dict) -> None:  # type: ignore[no-untyped-def]
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
-def test_runtime_in_cluster_follows_tenant_quotas_and_secrets(cluster, tmp_path):
-    suffix = uuid.uuid4().hex[:6]
-    node, tenant, secret = f"incluster-{suffix}", f"t-{suffix}", f"keys-{suffix}"
-    _apply(cluster, {"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode", "metadata": {"name": node},
-                     "spec": {"nodeName": "gpu-node-0", "runtime": {"engine": "synthetic", "port": 18443},
-                              "models": [{"name": "synth-e2e", "source": {"path": "/none"}}]}})
-    _apply(cluster, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": "default"},
-                     "stringData": {"api-keys": "sk-e2e-one\n"}})
-    _apply(cluster, {"apiVersion": "zerolayer.io/v1alpha1", "kind": "TenantQuota", "metadata": {"name": tenant},
-                     "spec": {"tenant": tenant, "apiKeySecretRef": {"name": secret, "namespace": "default"},
-                              "namespaces": ["default"], "tokensPerMinute": 100000, "requestsPerMinute": 1000,
-                              "allowedPriorities": ["high", "normal", "low"]}})
+@pytest.fixture
+def env(cluster, tmp_path):
+    run = new_run_id()
+    namespace = f"zl-e2e-rt-{run}"
+    cluster.kubectl("create", "namespace", namespace)
+    objects = Objects(cluster, namespace, run)
+    operator = OperatorProcess(cluster, namespace, run, tmp_path, resync=1.0)
+    operator.start()
+    try:
+        yield objects, operator
+    finally:
+        objects.delete_all(operator)
+        operator.stop()
+
+
+def _published_tenants(objects: Objects) -> set[str]:
+    """TenantQuota names with an entry in the operator's published key hashes."""
+    secret = objects.get("secret", "zl-tenant-keys", objects.namespace) or {}
+    return {name for name, raw in (secret.get("data") or {}).items() if json.loads(base64.b64decode(raw))}
+
+
+def test_runtime_in_cluster_follows_tenant_quotas_and_secrets(cluster, env):
+    objects, operator = env
+    [node] = objects.add_nodes(1)
+    inode, tenant, secret = f"{node}-inode", f"t-{objects.run_id}", f"keys-{objects.run_id}"
+    objects.apply(
+        objects.inference_node(inode, node, runtime={"engine": "synthetic", "port": 18443},
+                               models=[{"name": "synth-e2e", "source": {"path": "/none"}}]),
+        objects.secret(secret, "sk-e2e-one\n"),
+        objects.tenant_quota(tenant, secret, namespaces=("default",), tokensPerMinute=100000,
+                             requestsPerMinute=1000, allowedPriorities=["high", "normal", "low"]))
+    # The runtime reads only what the operator publishes: wait for the tenant's entry first.
+    cluster.wait_for(lambda: tenant in _published_tenants(objects), timeout=60,
+                     what=f"operator publishes the key hashes of {tenant}\n{operator.log()[-3000:]}")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zerolayer.cli", "runtime", "--node-name", node, "--kubeconfig", cluster.kubeconfig,
-         "--port", "0", "--tenant-sync-seconds", "0.5", "--tenant-namespace", "default", "--log-level", "WARNING"],
+        [sys.executable, "-m", "zerolayer.cli", "runtime", "--node-name", inode, "--kubeconfig", cluster.kubeconfig,
+         "--port", "0", "--tenant-sync-seconds", "0.5", "--tenant-namespace", objects.namespace,
+         "--log-level", "WARNING"],
         env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None
@@ -52,14 +74,15 @@ def test_runtime_in_cluster_follows_tenant_quotas_and_secrets(cluster, tmp_path)
 
         assert status("sk-e2e-one") == 200
         assert status("sk-e2e-two") == 401
-        # Key rotation: the Secret changes, the running runtime follows.
-        _apply(cluster, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": "default"},
-                         "stringData": {"api-keys": "sk-e2e-two\n"}})
+        # Key rotation: the tenant's Secret changes, the operator publishes the new hash, the
+        # running runtime follows.
+        objects.apply(objects.secret(secret, "sk-e2e-two\n"))
         cluster.wait_for(lambda: status("sk-e2e-two") == 200, timeout=30, what="rotated key accepted")
         assert status("sk-e2e-one") == 401
         # The quota goes away: so does the tenant.
         cluster.kubectl("delete", "tenantquota", tenant, "--wait=true")
         cluster.wait_for(lambda: status("sk-e2e-two") == 401, timeout=30, what="tenant removed")
+        assert tenant not in _published_tenants(objects)
     finally:
         proc.terminate()
         try:
@@ -68,6 +91,3 @@ def test_runtime_in_cluster_follows_tenant_quotas_and_secrets(cluster, tmp_path)
             proc.kill()
             proc.wait()
         proc.stdout.close()
-        cluster.kubectl("delete", "tenantquota", tenant, "--ignore-not-found")
-        cluster.kubectl("delete", "secret", secret, "-n", "default", "--ignore-not-found")
-        cluster.kubectl("delete", "inferencenode", node, "--ignore-not-found")
