@@ -296,6 +296,12 @@ class Auditor:
         dropped = self.store.prune(now - int(s.detail_retention_s * NS), aggregates)
         if dropped:
             log.info("pruned %d token events older than the retention", dropped)
+        if self.spool is not None and self.source.kind != "journal" and self.spool.is_dir():
+            from zerolayer.bpf.journal import discard_unread_journals
+
+            removed = discard_unread_journals(self.spool)  # the runtime may journal (audit.mode auto); unread here
+            if removed:
+                log.info("deleted %d journal segments the kernel path does not read", removed)
 
     def publish_status(self) -> None:
         """This node's usage into every TenantQuota's status (see bpf/kube.py): re-reads the TenantQuotas

@@ -13,12 +13,17 @@ counters still cover those events, so reconciliation books them. Records carry n
 so after a corrupt record the rest of the file as it is now is skipped; the writer only ever
 appends whole records after damage it left (it cuts a torn record off, or starts a new segment).
 A partial record at the end of a file is torn when a newer segment of the same runtime exists
-(the writer has moved on) or when it has not been completed for ``torn_after_s``. A segment with
-a newer one after it is deleted once everything in it is committed.
+(the writer has moved on) or when it has not been completed for ``torn_after_s``.
+
+Disk: a segment is deleted once everything in it is committed and it will never grow again: a
+newer segment of the same runtime exists, or the runtime's counters say it finished (``final``).
+An auditor that meters through the kernel reads no journal (the runtime may still write one,
+e.g. ``audit.mode: auto``): :func:`discard_unread_journals` keeps only the segments in use.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pathlib
@@ -32,6 +37,8 @@ from zerolayer.bpf.events import TokenEvent, corrupt_offset, decode_records
 log = logging.getLogger(__name__)
 STATE_PREFIX = "journal:"
 READ_CHUNK = 4 << 20
+STALE_S = 600.0  # a journal nobody reads, not written for this long, belongs to a runtime that is gone
+FINAL_CHECK_S = 10.0  # how often a consumed journal's counters are read to see whether its runtime finished
 _SEGMENT = re.compile(r"^(?P<runtime>[^.]+)(?:\.(?P<segment>\d+))?\.journal$")
 
 
@@ -43,6 +50,34 @@ def segments(spool: pathlib.Path) -> dict[str, list[tuple[int, pathlib.Path]]]:
         if m:
             found.setdefault(m["runtime"], []).append((int(m["segment"] or 0), path))
     return {k: sorted(v) for k, v in sorted(found.items())}
+
+
+def discard_unread_journals(spool: pathlib.Path, *, stale_s: float = STALE_S,
+                            now: float | None = None) -> int:
+    """Where the auditor meters through the kernel: delete every journal segment that is closed (a newer one
+    exists) or not written for ``stale_s``. The kernel delivered the same events (or the counters reconcile
+    them); the open segment of a live runtime stays until it is closed. Returns the segments deleted."""
+    now = time.time() if now is None else now
+    removed = 0
+    for files in segments(spool).values():
+        for i, (_, path) in enumerate(files):
+            try:
+                if i < len(files) - 1 or now - path.stat().st_mtime >= stale_s:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot delete journal segment %s: %s", path, exc)
+    return removed
+
+
+def runtime_finished(spool: pathlib.Path, runtime: str) -> bool:
+    """Whether the runtime's counters say it closed (it will never append to its journal again)."""
+    try:
+        return json.loads((spool / f"{runtime}.counters.json").read_text()).get("final") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class JournalSource:
@@ -64,7 +99,9 @@ class JournalSource:
         self._pending: dict[str, int] = {}
         self._skipped = 0  # records skipped (torn or corrupt), counted in lost()
         self._partial: dict[str, tuple[int, int, float]] = {}  # name -> (offset, size, first seen)
-        self._sealed: dict[str, pathlib.Path] = {}  # segments with a newer one after them
+        self._sealed: dict[str, pathlib.Path] = {}  # segments that never grow again: a newer one exists
+        self._newest: dict[str, tuple[str, pathlib.Path]] = {}  # name -> (runtime, path) of each last segment
+        self._final_checked: dict[str, float] = {}  # name -> when its runtime's counters were last read
 
     def poll(self, timeout_ms: int = 100) -> list[TokenEvent]:
         """Sleeps ``min(timeout_ms, drain interval)``, then returns the events appended since the last call."""
@@ -75,12 +112,15 @@ class JournalSource:
     def _read(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         sealed: dict[str, pathlib.Path] = {}
-        for files in segments(self.spool).values():
+        newest: dict[str, tuple[str, pathlib.Path]] = {}
+        for runtime, files in segments(self.spool).items():
             for i, (_, path) in enumerate(files):
                 if i < len(files) - 1:
                     sealed[path.name] = path
+                else:
+                    newest[path.name] = (runtime, path)
                 events.extend(self._read_file(path, sealed=i < len(files) - 1))
-        self._sealed = sealed
+        self._sealed, self._newest = sealed, newest
         return events
 
     def _read_file(self, path: pathlib.Path, *, sealed: bool) -> list[TokenEvent]:
@@ -136,19 +176,41 @@ class JournalSource:
         return {STATE_PREFIX + k: str(v) for k, v in self._pending.items()}
 
     def committed(self) -> None:
-        """The store holds everything returned so far: delete closed segments that are fully consumed."""
+        """The store holds everything returned so far: delete segments that are consumed and done growing."""
         self.offsets.update(self._pending)
+        now = self.clock()
         for name, path in list(self._sealed.items()):
-            try:
-                if self.offsets.get(name, 0) >= path.stat().st_size:
-                    path.unlink()
-                    del self._sealed[name]
-                    self._pending.pop(name, None)
-                    self.offsets.pop(name, None)
-            except FileNotFoundError:
+            if self._delete_if_consumed(name, path):
                 del self._sealed[name]
-            except OSError as exc:
-                log.warning("cannot delete consumed journal segment %s: %s", path, exc)
+        for name, (runtime, path) in list(self._newest.items()):
+            if now - self._final_checked.get(name, float("-inf")) < FINAL_CHECK_S:
+                continue
+            if self._consumed(name, path):
+                self._final_checked[name] = now
+                if runtime_finished(self.spool, runtime) and self._delete_if_consumed(name, path):
+                    del self._newest[name]
+                    self._final_checked.pop(name, None)
+
+    def _consumed(self, name: str, path: pathlib.Path) -> bool:
+        try:
+            return self.offsets.get(name, 0) >= path.stat().st_size
+        except OSError:
+            return False
+
+    def _delete_if_consumed(self, name: str, path: pathlib.Path) -> bool:
+        """Delete ``path`` when every byte of it is committed; True when it is gone."""
+        try:
+            if self.offsets.get(name, 0) < path.stat().st_size:
+                return False
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot delete consumed journal segment %s: %s", path, exc)
+            return False
+        self._pending.pop(name, None)
+        self.offsets.pop(name, None)
+        return True
 
     def lost(self) -> int:
         """Records skipped since this source started (torn or corrupt): their events are missing."""

@@ -121,3 +121,48 @@ def test_the_journal_rotates_and_consumed_segments_are_deleted(tmp_path):
     auditor.drain()
     assert billed(store) == {"acme": sent}
     assert store.totals()["runtimes"][0]["missing"] == 0
+
+
+def test_a_finished_runtimes_consumed_journal_is_deleted(tmp_path):
+    spool = tmp_path / "spool"
+    probe = TokenProbe(spool, journal=True, window_s=0)
+    for i in range(20):
+        probe.emit("acme", f"r{i}", "tiny", 0, 2)
+    probe.close()  # final counters: it will never append again
+    store = SqliteStore(tmp_path / "audit.db")
+    auditor = Auditor(store, JournalSource(spool), spool=spool)
+    auditor.drain()
+    auditor.drain()
+    assert billed(store) == {"acme": 40}
+    assert list(spool.glob("*.journal")) == [], "a finished runtime's journal stays in the spool for good"
+
+
+class KernelSource:
+    """Stands in for BpfTokenSource: the auditor meters through the kernel, nobody reads the journals."""
+
+    kind = "bpf"
+
+    def poll(self, timeout_ms: int = 100) -> list:
+        return []
+
+    def lost(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def test_journals_are_not_kept_when_the_kernel_path_meters(tmp_path):
+    # audit.mode auto makes the server journal (finding 9d) even where the auditor then picks BPF.
+    spool = tmp_path / "spool"
+    probe = TokenProbe(spool, journal=True, window_s=0, journal_max_bytes=4096)
+    for i in range(300):
+        probe.emit("acme", f"r{i}", "tiny", 0, 2)
+    old = spool / "00000000000000aa.journal"  # a runtime that died long ago
+    old.write_bytes(record(1))
+    os.utime(old, (1, 1))
+    auditor = Auditor(SqliteStore(tmp_path / "audit.db"), KernelSource(), spool=spool)
+    auditor.prune()
+    left = sorted(p.name for p in spool.glob("*.journal"))
+    assert left == [f"{probe.runtime_id:016x}.{probe._journal_segment}.journal"]  # only the open segment
+    probe.close()
