@@ -125,10 +125,12 @@ def test_every_model_source_kind_is_accepted_with_its_defaults(cluster):
 
 
 def test_kubectl_explain_documents_the_model_source(cluster):
-    out = cluster.kubectl("explain", "inferencenode.spec.models.source").stdout
+    # kubectl wraps descriptions at 80 columns: compare with the line breaks folded away.
+    out = " ".join(cluster.kubectl("explain", "inferencenode.spec.models.source").stdout.split())
     for needle in ("exactly one of path, hostPath, pvc and huggingFace", "huggingFace", "pvc", "hostPath"):
         assert needle in out, out
-    assert "node-local cache" in cluster.kubectl("explain", "inferencenode.spec.models.source.huggingFace").stdout
+    assert "node-local cache" in " ".join(
+        cluster.kubectl("explain", "inferencenode.spec.models.source.huggingFace").stdout.split())
 
 
 def test_immutable_fields_cannot_change(cluster):
