@@ -70,3 +70,42 @@ def cluster():
     finally:
         if started and os.environ.get("ZEROLAYER_KEEP_CLUSTER") != "1":
             local.down(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def _real_cluster_session():
+    """One cluster with a real node (``real-node-0``) per session, in its own state directory; see
+    ``tests/e2e/real_node_harness.py``. Skips with the reason when this host cannot run real nodes."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    from zerolayer.cluster import host
+
+    from tests.e2e.real_node_harness import RealCluster
+
+    if os.environ.get("ZEROLAYER_E2E") == "0":
+        pytest.skip("ZEROLAYER_E2E=0: e2e tier disabled")
+    reason = host.unsupported_reason()
+    if reason:
+        pytest.skip(f"no real nodes on this host: {reason}")
+    holder = host.claim_holder()
+    if holder is not None:
+        pytest.skip(f"another local cluster's real nodes hold this host ({holder})")
+    # Short path: containerd's socket path (+ ".ttrpc") must fit in 108 bytes.
+    state = tempfile.mkdtemp(prefix="zl-real-")
+    c = RealCluster(LocalCluster(state_dir=pathlib.Path(state),
+                                 log=lambda msg: print(f"[real-cluster] {msg}", flush=True)))
+    try:
+        yield c
+    finally:
+        if os.environ.get("ZEROLAYER_KEEP_CLUSTER") != "1":
+            c.local.down(quiet=True)
+            shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def real_cluster(_real_cluster_session):
+    """The session's real-node cluster, started on first use (or again after a test took it down)."""
+    _real_cluster_session.ensure_up()
+    return _real_cluster_session

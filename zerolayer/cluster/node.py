@@ -322,14 +322,16 @@ def start_host_agents(*, launch, cluster_dir: pathlib.Path, kubeconfig: pathlib.
 
 def teardown(cluster_dir: pathlib.Path, nodes: list[RealNode], log) -> None:
     """After the cluster's processes are stopped: kill the pods (shims and below), unmount, remove
-    their network namespaces and cgroups, then release the host (bridge, chains, ipsets, paths)."""
+    their network namespaces and cgroups, then release the host (bridge, chains, ipsets, paths).
+    Touches no other containerd's pods or mounts: only those that name this cluster's paths."""
     netns: set[int] = set()
     for node in nodes:
         netns |= host.kill_pods(str(node.socket))
     # The shims also name the node's state directory; a shim whose socket line differs still does.
     netns |= host.kill_pods(str(cluster_dir / "nodes"))
     host.remove_netns(netns)
-    host.unmount_under([str(cluster_dir), "/run/containerd", "/var/lib/kubelet"])
+    # Every mount a node makes (overlay rootfs, volumes, the sandbox's shm) is below its directory.
+    host.unmount_under([str(cluster_dir)])
     for node in nodes:
         host.remove_cgroups(node.name)
     host.release(cluster_dir, log)
