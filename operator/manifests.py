@@ -168,6 +168,7 @@ def _merge_resources(defaults: Mapping[str, Any], override: Mapping[str, Any] | 
 
 
 AUDIT_SPOOL = "/run/zerolayer/audit"  # shared by server (token counters, journal) and auditor
+AUDIT_SPOOL_LIMIT = "1Gi"  # 32 journal segments of 32 MiB
 AUDIT_DB = "/var/lib/zerolayer/audit/audit.db"
 AUDIT_SOURCES = {"auto": "auto", "bpf": "bpf", "inprocess": "journal"}  # spec.audit.mode -> auditor --source
 
@@ -492,7 +493,9 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig, node_gpus:
     server_mounts += storage.server_mounts
     volumes: list[dict] = [
         {"name": "tmp", "emptyDir": {}},
-        {"name": "run", "emptyDir": {}},
+        # The audit spool (journal segments, counters). The auditor deletes consumed segments; the limit
+        # bounds what a stalled auditor can pile up on the node's disk (past it the kubelet evicts the pod).
+        {"name": "run", "emptyDir": {"sizeLimit": AUDIT_SPOOL_LIMIT}},
         API_ACCESS_VOLUME,
     ] + storage.volumes
     server_mounts.append(dict(API_ACCESS_MOUNT))

@@ -20,3 +20,10 @@ def test_modes_that_may_read_the_journal_get_one(audit):
 def test_bpf_mode_writes_no_journal():
     server = containers(daemonset(inode(audit={"mode": "bpf"})))["server"]
     assert "--audit-journal" not in server["args"]
+
+
+def test_the_spool_is_bounded():
+    """The journal lives in the pod's ``run`` emptyDir: a stalled auditor must not fill the node's disk."""
+    ds = daemonset(inode(audit={"mode": "auto"}))
+    run = next(v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "run")
+    assert run["emptyDir"].get("sizeLimit")
