@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import os
 import pathlib
 
 from cryptography import x509
@@ -20,11 +21,13 @@ VALIDITY = dt.timedelta(days=365)
 
 
 def _write_key(key, path: pathlib.Path) -> None:
-    path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                          serialization.NoEncryption())
-    )
-    path.chmod(0o600)
+    """Private keys are created 0600 (never readable by others, not even between write and chmod)."""
+    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
 
 
 def _write_cert(cert: x509.Certificate, path: pathlib.Path) -> None:
