@@ -114,7 +114,10 @@ class Objects:
                          # heartbeats are written by hand here: keep them fresh for the whole test
                          "gossip": {"heartbeatSeconds": 10, "staleAfterSeconds": 3600}, **spec}}
 
-    def secret(self, name: str, keys: str = "key-one\nkey-two\n") -> dict:
+    def secret(self, name: str, keys: str | None = None) -> dict:
+        """An API-key Secret; by default two keys of its own (the operator refuses a key that an
+        older TenantQuota already holds, so tenants never share the default keys)."""
+        keys = f"{name}-key-one\n{name}-key-two\n" if keys is None else keys
         return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": self.namespace},
                 "type": "Opaque", "stringData": {"api-keys": keys}}
 

@@ -4,6 +4,8 @@ events, drift repair, idempotency, Cilium detection and finalizer cleanup."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import pathlib
 import re
@@ -51,16 +53,24 @@ def wait_condition(cluster, objects, kind, name, type_, status="True", reason=No
 def children(objects, name):
     child = f"zl-runtime-{name}"
     found = {k: objects.get(k, child, objects.namespace) for k in ("daemonset", "serviceaccount", "service",
-                                                                   "networkpolicy")}
+                                                                   "networkpolicy", "role", "rolebinding")}
     found |= {k: objects.get(k, child) for k in ("clusterrole", "clusterrolebinding")}
     return found
+
+
+def published(objects) -> dict:
+    """The operator's published key hashes (Secret zl-tenant-keys), decoded, by TenantQuota name."""
+    secret = objects.get("secret", "zl-tenant-keys", objects.namespace) or {}
+    return {k: json.loads(base64.b64decode(v)) for k, v in (secret.get("data") or {}).items()}
 
 
 def test_inference_node_labels_node_runs_runtime_and_reports(cluster, env):
     objects, operator = env
     [node] = objects.add_nodes(1)
     name = f"{node}-inode"
-    objects.apply(objects.inference_node(name, node))
+    # All 8 GPUs of the kwok node: defragd runs only beside a runtime that holds every GPU.
+    objects.apply(objects.inference_node(name, node, runtime={
+        "gpus": 8, "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}}}))
     obj = wait_condition(cluster, objects, "inferencenode", name, "RuntimeReady")
 
     labels = objects.get("node", node)["metadata"]["labels"]
@@ -186,9 +196,14 @@ def test_tenant_quota_waits_for_its_secret_then_admits_its_namespaces(cluster, e
     peer = policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchExpressions"][0]
     assert peer["values"] == ["team-x", "team-y"]
     assert policy["spec"]["ingress"][0]["ports"] == [{"port": "serving", "protocol": "TCP"}]
-    role = objects.get("role", f"zl-tenant-{tq}", objects.namespace)
-    assert role["rules"][0]["resourceNames"] == [secret]
-    assert objects.get("rolebinding", f"zl-tenant-{tq}", objects.namespace)
+    # Runtimes get SHA-256 hashes of the keys, published in the one Secret zl-tenant-keys; nothing
+    # lets them read the tenant's own Secret.
+    entry = published(objects)[tq]
+    assert entry["tenant"] == tq
+    assert entry["hashes"] == sorted(hashlib.sha256(k.encode()).hexdigest()
+                                     for k in ("sk-e2e-very-secret-1", "sk-e2e-very-secret-2"))
+    assert objects.get("role", f"zl-tenant-{tq}", objects.namespace) is None
+    assert objects.get("rolebinding", f"zl-tenant-{tq}", objects.namespace) is None
 
     # the auditor's usage survives the operator's reconciles
     cluster.kubectl("patch", "tenantquota", tq, "--subresource=status", "--type=merge",
@@ -207,7 +222,8 @@ def test_tenant_quota_waits_for_its_secret_then_admits_its_namespaces(cluster, e
 
 def test_runtime_rbac_is_what_the_runtime_needs(cluster, env):
     """The runtime's service account may patch its own InferenceNode's status, not another's,
-    read TenantQuotas and its tenants' Secret, and nothing else."""
+    read TenantQuotas and the published key hashes (zl-tenant-keys), not a tenant's Secret, and
+    nothing else."""
     objects, operator = env
     run = objects.run_id
     nodes = objects.add_nodes(2)
@@ -227,7 +243,9 @@ def test_runtime_rbac_is_what_the_runtime_needs(cluster, env):
     assert not can("patch", f"inferencenodes.zerolayer.io/{names[0]}")
     assert can("watch", "tenantquotas.zerolayer.io")
     assert not can("update", "tenantquotas.zerolayer.io")
-    assert can("get", f"secret/{secret}", "-n", objects.namespace)
+    assert can("get", "secret/zl-tenant-keys", "-n", objects.namespace)
+    assert not can("list", "secrets", "-n", objects.namespace)
+    assert not can("get", f"secret/{secret}", "-n", objects.namespace)
     assert not can("get", "secret/something-else", "-n", objects.namespace)
     assert not can("list", "pods", "-n", objects.namespace)
 
@@ -259,6 +277,7 @@ def test_deletion_removes_labels_and_children(cluster, env):
     cluster.wait_for(lambda: not any(children(objects, name).values()), timeout=60, what="children deleted")
     for kind in ("networkpolicy", "role", "rolebinding"):
         assert objects.get(kind, f"zl-tenant-{tq}", objects.namespace) is None
+    assert tq not in published(objects)  # its keys no longer authenticate anywhere
     messages = [e["message"] for e in objects.events("InferenceNode", name)]
     assert any(m.startswith(f"Removed labels") for m in messages)
     assert f"Deleted DaemonSet {objects.namespace}/zl-runtime-{name}" in messages
