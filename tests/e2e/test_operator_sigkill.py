@@ -1,10 +1,12 @@
 """Issue 3: SIGKILL the operator at random moments while it reconciles 20 InferenceNodes and
 20 TenantQuotas, five times in a row; after the last restart there is exactly one of each
-child, no orphans, and everything is Ready."""
+child, no orphans, every tenant's key hashes published exactly once, and everything is Ready."""
 
 from __future__ import annotations
 
+import base64
 import collections
+import json
 import random
 import time
 
@@ -85,12 +87,21 @@ def test_sigkill_five_times_leaves_exactly_one_of_each_child(cluster, env):
                 continue  # another run's cluster-scoped child
             assert len(refs) == 1 and refs[0]["uid"] in owners, f"orphan {kind} {child['metadata']['name']}"
             count[(kind, refs[0]["uid"])] += 1
-    per_inode = ("daemonsets", "serviceaccounts", "services", "networkpolicies", "clusterroles", "clusterrolebindings")
+    per_inode = ("daemonsets", "serviceaccounts", "services", "networkpolicies", "roles", "rolebindings",
+                 "clusterroles", "clusterrolebindings")
+    per_tenant = ("networkpolicies",)  # runtimes read published hashes: no per-tenant Role any more
     for uid, owner in owners.items():
-        kinds = per_inode if owner["kind"] == "InferenceNode" else ("networkpolicies", "roles", "rolebindings")
+        kinds = per_inode if owner["kind"] == "InferenceNode" else per_tenant
         for kind in kinds:
             assert count[(kind, uid)] == 1, (owner["kind"], owner["metadata"]["name"], kind, count[(kind, uid)])
-    assert sum(count.values()) == COUNT * 6 + COUNT * 3
+    assert sum(count.values()) == COUNT * len(per_inode) + COUNT * len(per_tenant)
+
+    # One Secret of key hashes for the fleet, one entry per tenant, each tenant's own.
+    keys = objects.items("secrets", objects.namespace, selector=MANAGED)
+    assert [k["metadata"]["name"] for k in keys] == ["zl-tenant-keys"]
+    entries = {k: json.loads(base64.b64decode(v)) for k, v in keys[0]["data"].items()}
+    assert sorted(entries) == sorted(tenants)
+    assert all(entries[t]["tenant"] == t and len(entries[t]["hashes"]) == 2 for t in tenants)
 
     pods = objects.items("pods", objects.namespace)
     assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(nodes)
