@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q -e .
 zerolayer cluster up --nodes 3
 eval "$(zerolayer cluster env)"   # KUBECONFIG plus the matching kubectl and helm on PATH
-NS=zerolayer-system
+NS=zerolayer-system            # the chart's release: the operator's namespace
+RUNTIME_NS=zerolayer-system-runtime   # the chart's runtime namespace (<release namespace>-runtime)
 
 helm upgrade --install zerolayer helm/zerolayer -n "$NS" --create-namespace --wait --timeout 180s
 kubectl apply -f examples/tenantquota.yaml -f examples/quickstart/fleet.yaml
@@ -22,16 +23,30 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT INT TERM
 
 # What the operator Deployment and the runtime DaemonSet pods would run on a real cluster:
-zerolayer operator --kubeconfig "$KUBECONFIG" --runtime-namespace "$NS" --health-port 0 --metrics-port 0 \
+zerolayer operator --kubeconfig "$KUBECONFIG" --runtime-namespace "$RUNTIME_NS" --operator-namespace "$NS" \
+    --health-port 0 --metrics-port 0 \
     --log-level warning >"$logs/operator.log" 2>&1 & pids+=($!)
 for node in gpu-node-0 gpu-node-1; do
-    zerolayer runtime --node-name "$node" --kubeconfig "$KUBECONFIG" --tenant-namespace "$NS" \
-        --in-cluster --config "examples/quickstart/runtime-$node.yaml" --log-level WARNING >"$logs/runtime-$node.log" 2>&1 & pids+=($!)
+    zerolayer runtime --node-name "$node" --kubeconfig "$KUBECONFIG" --tenant-namespace "$RUNTIME_NS" \
+        --tenant-sync-seconds 2 --in-cluster --config "examples/quickstart/runtime-$node.yaml" --log-level WARNING >"$logs/runtime-$node.log" 2>&1 & pids+=($!)
 done
 
 echo "waiting for the InferenceNodes to be Ready (operator reconciles, runtimes gossip)..."
 kubectl wait --for=condition=Ready inferencenode/gpu-node-0 inferencenode/gpu-node-1 --timeout=120s
 kubectl wait --for=condition=Ready tenantquota --all --timeout=60s
+# Ready means the operator published the tenant's key hashes (Secret zl-tenant-keys); each runtime
+# picks them up at its next tenant sync (every 2 s here).
+ask() {
+    curl -sS --http2-prior-knowledge "http://127.0.0.1:$1/v1/messages" \
+        -H 'x-api-key: zl-team-a-example-key-1' -H 'x-zerolayer-priority: high' \
+        -d '{"model":"tiny-llama","max_tokens":8,"messages":[{"role":"user","content":"hello"}]}' "${@:2}"
+}
+for port in 18080 18081; do
+    for _ in $(seq 30); do
+        [ "$(ask "$port" -o /dev/null -w '%{http_code}')" = 200 ] && break
+        sleep 1
+    done
+done
 for p in "${pids[@]}"; do
     kill -0 "$p" 2>/dev/null || { echo "a local process exited; see $logs/*.log" >&2; tail -n 5 "$logs"/*.log >&2; exit 1; }
 done
@@ -41,13 +56,11 @@ kubectl get nodes -L nvidia.com/gpu.product,nvidia.com/gpu.count,zerolayer.io/in
 echo; echo "== zerolayer resources"
 kubectl get zerolayer
 echo; echo "== what the operator created"
-kubectl get daemonsets,services,networkpolicies -n "$NS"
+kubectl get daemonsets,services,networkpolicies -n "$RUNTIME_NS"
 echo; echo "== the GPU map, as runtimes gossip it through InferenceNode status"
 zerolayer map --once
 echo; echo "== a request straight to gpu-node-0 over HTTP/2 (tenant team-a)"
-curl -sS --http2-prior-knowledge http://127.0.0.1:18080/v1/messages \
-    -H 'x-api-key: zl-team-a-example-key-1' -H 'x-zerolayer-priority: high' \
-    -d '{"model":"tiny-llama","max_tokens":8,"messages":[{"role":"user","content":"hello"}]}'
+ask 18080 --fail-with-body -w '\n(HTTP/%{http_version} %{http_code})\n'
 echo; echo; echo "== the story of a reconciliation"
 kubectl get events -n default --field-selector involvedObject.kind=InferenceNode --sort-by=.lastTimestamp | tail -8
 echo
