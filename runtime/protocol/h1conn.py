@@ -332,7 +332,9 @@ class H1ServerCore:
                 body = b"bad request\n"
                 self._out += self._conn.send(h11.Response(
                     status_code=status,
-                    headers=[("content-length", str(len(body))), ("connection", "close")],
+                    headers=[("content-type", "text/plain"), ("content-length", str(len(body))),
+                             ("connection", "close")],
+                    reason=_reason(status),
                 ))
                 self._out += self._conn.send(h11.Data(data=body))
                 self._out += self._conn.send(h11.EndOfMessage())
