@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                           "the base the InferenceNode's settings are laid over")
     parser.add_argument("--in-cluster", action="store_true",
                         help="read this node's InferenceNode (--node-name) and serve the tenants of the "
-                             "cluster's TenantQuotas and their Secrets, applying changes without a restart "
+                             "cluster's TenantQuotas with the key hashes the operator publishes, applying changes "
+                             "without a restart "
                              "(implied by --node-name without --config)")
     parser.add_argument("--tenant-namespace", default=os.environ.get("POD_NAMESPACE", "zerolayer-system"),
                         help="namespace of the key hashes the operator publishes (Secret zl-tenant-keys; "
