@@ -26,5 +26,7 @@ python3 -m zerolayer.runtime.install_engine
 
 # 4. The local control plane's binaries (cached).
 python3 -c "from zerolayer.cluster.build import ensure_binaries; print('control plane binaries:', ensure_binaries().bin_dir)"
+# 5. Real nodes (`cluster up --real-nodes N`, root only): Debian containerd/runc/CNI, kubelet, kube-proxy, kube-router.
+if [ "$(id -u)" = 0 ]; then python3 -c "from zerolayer.cluster.node import ensure_node_host; print('real-node binaries:', ensure_node_host().bin_dir)"; fi
 # A cluster left half-dead by an interrupted earlier run would make the e2e fixture refuse to start.
 python3 -m zerolayer.cli cluster status >/dev/null 2>&1 || python3 -m zerolayer.cli cluster down >/dev/null 2>&1 || true

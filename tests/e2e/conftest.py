@@ -81,6 +81,7 @@ def _real_cluster_session():
     import tempfile
 
     from zerolayer.cluster import host
+    from zerolayer.cluster.local import live_real_node_holder
 
     from tests.e2e.real_node_harness import RealCluster
 
@@ -89,7 +90,7 @@ def _real_cluster_session():
     reason = host.unsupported_reason()
     if reason:
         pytest.skip(f"no real nodes on this host: {reason}")
-    holder = host.claim_holder()
+    holder = live_real_node_holder(log=print)
     if holder is not None:
         pytest.skip(f"another local cluster's real nodes hold this host ({holder})")
     # Short path: containerd's socket path (+ ".ttrpc") must fit in 108 bytes.

@@ -52,8 +52,8 @@ def test_pod_reaches_the_api_server_through_the_kubernetes_service(real_cluster,
     real_cluster.apply(real_cluster.busybox_pod(
         "api-client", ns,
         f"echo {marker} $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT; "
-        "until printf 'GET /version HTTP/1.0\\r\\n\\r\\n' "
-        "| nc -w 3 $KUBERNETES_SERVICE_HOST $KUBERNETES_SERVICE_PORT | grep 'HTTPS server'; do sleep 1; done; "
+        "until timeout 5 sh -c \"printf 'GET /version HTTP/1.0\\r\\n\\r\\n' "
+        "| nc -w 3 $KUBERNETES_SERVICE_HOST $KUBERNETES_SERVICE_PORT\" | grep 'HTTPS server'; do sleep 1; done; "
         "echo done; sleep 3600"))
     real_cluster.wait_running(ns, "api-client")
     eps = real_cluster.kubectl_json("get", "endpointslices", "-n", "default",
@@ -73,7 +73,7 @@ def test_pod_reaches_the_api_server_through_the_kubernetes_service(real_cluster,
 
 def _reach(real_cluster, ns: str, client: str, ip: str) -> bool:
     # nc, not busybox wget: the static wget crashes inside this minimal image.
-    out = real_cluster.exec(ns, client, "sh", "-c",
+    out = real_cluster.exec(ns, client, "timeout", "4", "sh", "-c",
                             f"printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {ip} 8080")
     return out.returncode == 0 and out.stdout.startswith("HTTP/1.") and out.stdout.rstrip().endswith("hello")
 

@@ -195,7 +195,7 @@ class LocalCluster:
             reason = host.unsupported_reason()
             if reason:
                 raise ClusterError(f"cannot run real nodes here: {reason}")
-            holder = host.claim_holder()
+            holder = live_real_node_holder(self.log)
             if holder is not None and holder != str(self.dir):
                 raise ClusterError(f"real nodes of another local cluster ({holder}) hold this host; "
                                    "take that one down first")
@@ -329,7 +329,8 @@ class LocalCluster:
                            f"{n.name} to register")
                 node.register_node(n, self.kubectl)
             node.start_host_agents(launch=launch, cluster_dir=self.dir, kubeconfig=self.kubeconfig,
-                                   service_cidr=SERVICE_CIDR, tc=tc, ports=(_free_port(), _free_port()))
+                                   service_cidr=SERVICE_CIDR, tc=tc, ports=(_free_port(), _free_port()),
+                                   wait=self._wait)
         except (node.NodeError, images.ImageError, host.HostError) as exc:
             raise ClusterError(str(exc)) from exc
 
@@ -443,6 +444,20 @@ class LocalCluster:
             "components": [dict(dataclasses.asdict(c), alive=c.alive) for c in self.components()],
             "real_nodes": st.get("real_nodes", []),
         }
+
+
+def live_real_node_holder(log=print) -> str | None:
+    """The cluster directory whose real nodes hold this host, or None. A claim left by a cluster that
+    no longer runs (an interrupted test run) is taken down first, so it never blocks the next one."""
+    holder = host.claim_holder()
+    if holder is None:
+        return None
+    stale = LocalCluster(pathlib.Path(holder).parent, log=log)
+    if stale.is_running():
+        return holder
+    log(f"taking down the real nodes of a local cluster that no longer runs ({holder})")
+    stale.down(quiet=True)
+    return host.claim_holder()
 
 
 def node_manifest(name: str) -> dict:

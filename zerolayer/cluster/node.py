@@ -217,7 +217,10 @@ def kube_proxy_config(kubeconfig: pathlib.Path, healthz_port: int, metrics_port:
         "healthzBindAddress": f"127.0.0.1:{healthz_port}",
         "metricsBindAddress": f"127.0.0.1:{metrics_port}",
         "nodePortAddresses": [f"{host.NODE_IP}/32"],
-        "iptables": {"localhostNodePorts": False, "masqueradeAll": False},
+        # kube-router rewrites the filter table too; a sync that collides with it is retried after
+        # syncPeriod, so keep that short (the rule set here is tiny).
+        "iptables": {"localhostNodePorts": False, "masqueradeAll": False, "syncPeriod": "10s",
+                     "minSyncPeriod": "1s"},
         "oomScoreAdj": 0,
         "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
     }
@@ -312,12 +315,34 @@ def register_node(node: RealNode, kubectl) -> None:
 
 
 def start_host_agents(*, launch, cluster_dir: pathlib.Path, kubeconfig: pathlib.Path, service_cidr: str,
-                      tc: build.NodeToolchain, ports: tuple[int, int]) -> None:
-    """One kube-proxy and one kube-router for every real node on this host (see the module doc)."""
+                      tc: build.NodeToolchain, ports: tuple[int, int], wait) -> None:
+    """One kube-proxy and one kube-router for every real node on this host (see the module doc).
+
+    One after the other, each waited for until it has programmed iptables: two first syncs at
+    once collide in iptables-restore, and kube-proxy then retries only after 30 s.
+    ``wait(check, timeout, what)`` raises when ``check`` stays false.
+    """
     cfg = cluster_dir / "kube-proxy.yaml"
     _write(cfg, json.dumps(kube_proxy_config(kubeconfig, *ports), indent=2))
     launch("kube-proxy", str(tc.path("kube-proxy")), [f"--config={cfg}", "--v=1"], ports[0])
+    wait(service_rules_synced, 60, "kube-proxy to program the kubernetes Service")
     launch("kube-router", str(tc.path("kube-router")), kube_router_args(kubeconfig, service_cidr), 0)
+    wait(firewall_synced, 60, "kube-router to install its firewall chains")
+
+
+def _iptables_rules(table: str, chain: str) -> str:
+    return subprocess.run(["iptables", "-t", table, "-S", chain], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True).stdout
+
+
+def service_rules_synced() -> bool:
+    """kube-proxy has programmed the ``kubernetes`` Service: until then a pod's dial of 10.96.0.1 hangs."""
+    return "-d 10.96.0.1/32" in _iptables_rules("nat", "KUBE-SERVICES")
+
+
+def firewall_synced() -> bool:
+    """kube-router's chains are hooked in: until then pod traffic passes unfiltered."""
+    return "KUBE-ROUTER-FORWARD" in _iptables_rules("filter", "FORWARD")
 
 
 def teardown(cluster_dir: pathlib.Path, nodes: list[RealNode], log) -> None:
