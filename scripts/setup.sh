@@ -28,5 +28,7 @@ python3 -m zerolayer.runtime.install_engine
 python3 -c "from zerolayer.cluster.build import ensure_binaries; print('control plane binaries:', ensure_binaries().bin_dir)"
 # 5. Real nodes (`cluster up --real-nodes N`, root only): Debian containerd/runc/CNI, kubelet, kube-proxy, kube-router.
 if [ "$(id -u)" = 0 ]; then python3 -c "from zerolayer.cluster.node import ensure_node_host; print('real-node binaries:', ensure_node_host().bin_dir)"; fi
+# 6. The runtime image the real-node e2e tests deploy (root only: mmdebstrap; ~10 min cold, cached by its inputs).
+if [ "$(id -u)" = 0 ]; then python3 -c "from zerolayer.cluster.image import ensure_image; i = ensure_image(); print('runtime image:', i.tag, i.archive)"; fi
 # A cluster left half-dead by an interrupted earlier run would make the e2e fixture refuse to start.
 python3 -m zerolayer.cli cluster status >/dev/null 2>&1 || python3 -m zerolayer.cli cluster down >/dev/null 2>&1 || true
