@@ -206,6 +206,21 @@ _NON_ROOT = {
 # formats and kernel headers regardless of their modes). Not privileged: no device access,
 # no SYS_ADMIN.
 AUDITOR_CAPABILITIES = ["BPF", "PERFMON", "SYS_RESOURCE", "SYS_PTRACE", "DAC_READ_SEARCH"]
+# From Linux 5.11 BPF maps are charged to the memory cgroup, not RLIMIT_MEMLOCK, so SYS_RESOURCE
+# buys nothing there; and asking for it fails the container outright ("unable to apply caps")
+# wherever the node's root lacks it (some VM sandboxes), so it is added only where it is needed.
+MEMCG_BPF_KERNEL = (5, 11)
+_KERNEL_VERSION = re.compile(r"^(\d+)\.(\d+)")
+
+
+def auditor_capabilities(kernel_version: str | None) -> list[str]:
+    """:data:`AUDITOR_CAPABILITIES` for a node whose ``status.nodeInfo.kernelVersion`` is
+    ``kernel_version``: without ``SYS_RESOURCE`` from :data:`MEMCG_BPF_KERNEL` on; all of them when
+    the version is unknown or does not parse."""
+    match = _KERNEL_VERSION.match(kernel_version or "")
+    if match and (int(match[1]), int(match[2])) >= MEMCG_BPF_KERNEL:
+        return [c for c in AUDITOR_CAPABILITIES if c != "SYS_RESOURCE"]
+    return list(AUDITOR_CAPABILITIES)
 
 
 def _host_path(name: str, path: str, kind: str) -> dict:
@@ -446,7 +461,8 @@ def _clickhouse_env(audit: Mapping[str, Any]) -> list[dict]:
                                       (CLICKHOUSE_PASSWORD_ENV, "passwordKey", "password"))]
 
 
-def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig, node_gpus: int | None = None) -> dict:
+def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig, node_gpus: int | None = None,
+                    node_kernel: str | None = None) -> dict:
     """The runtime workload of one InferenceNode: a DaemonSet that lands on exactly its node.
 
     Only the ``server`` container runs ``spec.runtime.image``: the containers with root or
@@ -455,6 +471,8 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig, node_gpus:
     ``node_gpus`` is the Node's allocatable ``nvidia.com/gpu``: defragd is included only when the
     runtime requests all of them, because a sidecar cannot share the server's device-plugin
     allocation and ``NVIDIA_VISIBLE_DEVICES=all`` would otherwise show it other pods' GPUs.
+    ``node_kernel`` is the Node's ``status.nodeInfo.kernelVersion``; it decides the auditor's
+    capabilities (:func:`auditor_capabilities`).
 
     One DaemonSet per InferenceNode (not one for all): images, resources, GPU count and
     drain time come from each InferenceNode's spec, and each pod runs as its own
@@ -581,7 +599,7 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig, node_gpus:
                     "runAsUser": 0,
                     "allowPrivilegeEscalation": False,
                     "readOnlyRootFilesystem": True,
-                    "capabilities": {"drop": ["ALL"], "add": list(AUDITOR_CAPABILITIES)},
+                    "capabilities": {"drop": ["ALL"], "add": auditor_capabilities(node_kernel)},
                     # bpf() and perf_event_open() are outside the RuntimeDefault profile's allow list.
                     "seccompProfile": {"type": "Unconfined"},
                 },

@@ -254,7 +254,9 @@ class Reconciler:
 
         allocatable = ((node.get("status") or {}).get("allocatable") or {}).get("nvidia.com/gpu")
         node_gpus = int(allocatable) if str(allocatable or "").isdigit() else None
-        objects = await self._ensure_all(body, children + [m.build_daemonset(body, self.config, node_gpus)], outcome)
+        kernel = ((node.get("status") or {}).get("nodeInfo") or {}).get("kernelVersion")
+        objects = await self._ensure_all(body, children + [m.build_daemonset(body, self.config, node_gpus, kernel)],
+                                         outcome)
         runtime_ready = self._runtime_condition(objects["DaemonSet"], node_name)
         models = await self._models_condition(spec, name, runtime_ready)
         gossip = self._gossip_condition(body)

@@ -6,7 +6,11 @@ import argparse
 import logging
 import signal
 import sys
-from typing import Any, Mapping
+import threading
+from typing import Any, Callable, Mapping
+
+NVML_RETRY_FIRST_S = 5.0
+NVML_RETRY_MAX_S = 60.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -28,6 +32,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(handler=run)
+
+
+def wait_for_gpu_source(open_source: Callable[[], Any], stopped: threading.Event, *, wait: bool,
+                        first_s: float = NVML_RETRY_FIRST_S, max_s: float = NVML_RETRY_MAX_S) -> Any:
+    """``open_source()``; while it raises ``GpuSourceError`` and ``wait`` is set, try again (the delay
+    doubles from ``first_s`` to ``max_s``) until it opens or ``stopped`` is set (then None).
+
+    Why wait rather than exit: defragd is a sidecar of the runtime pod, and a sidecar that exits
+    crash-loops, which makes the whole pod not Ready and takes the node's server out of service
+    because of an optimisation. A GPU driver that is not loaded yet (a driver DaemonSet still
+    installing) or not there at all is logged at every try and otherwise waited out. Without
+    ``wait`` (``--once``) the error is raised as before.
+    """
+    from zerolayer.runtime.gpu.api import GpuSourceError
+
+    delay = first_s
+    while True:
+        try:
+            return open_source()
+        except GpuSourceError as exc:
+            if not wait:
+                raise
+            logging.getLogger(__name__).warning("defragd: %s; trying again in %.0fs (idle until then)", exc, delay)
+        if stopped.wait(delay):
+            return None
+        delay = min(max_s, delay * 2)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +85,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             from zerolayer.runtime.gpu.nvml import NvmlSource
 
-            source = NvmlSource()
+            stopped = threading.Event()
+            previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+            try:
+                source = wait_for_gpu_source(NvmlSource, stopped, wait=not args.once)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+            if source is None:  # SIGTERM while waiting for the driver
+                return 0
     except (DefragError, GpuSourceError, ValueError) as exc:
         print(f"zerolayer defragd: {exc}", file=sys.stderr)
         return 2

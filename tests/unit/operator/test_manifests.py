@@ -219,3 +219,13 @@ def test_node_labels_and_gpu_type():
     assert m.gpu_type_of({"gpuType": "A100"}, node) == "A100"
     assert m.node_labels("A100") == {m.INFERENCE_NODE_LABEL: "true", m.GPU_TYPE_LABEL: "A100"}
     assert m.node_labels(None) == {m.INFERENCE_NODE_LABEL: "true"}
+
+
+@pytest.mark.parametrize("kernel, has_sys_resource", [
+    ("6.18.44-fc-v1147", False), ("5.11.0", False), ("5.15.0-105-generic", False),
+    ("5.10.0-28-amd64", True), ("4.18.0-513.el8.x86_64", True), (None, True), ("", True), ("weird", True)])
+def test_auditor_asks_for_sys_resource_only_on_kernels_that_charge_bpf_to_memlock(kernel, has_sys_resource):
+    caps = containers(m.build_daemonset(inode(), CONFIG, node_gpus=1, node_kernel=kernel))["auditor"][
+        "securityContext"]["capabilities"]["add"]
+    assert ("SYS_RESOURCE" in caps) == has_sys_resource
+    assert {"BPF", "PERFMON", "SYS_PTRACE", "DAC_READ_SEARCH"} <= set(caps)
