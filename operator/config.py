@@ -29,6 +29,7 @@ ENV = {
     "tenant_secret_namespaces": "ZEROLAYER_TENANT_SECRET_NAMESPACES",
     "runtime_metrics_port": "ZEROLAYER_RUNTIME_METRICS_PORT",
     "api_server_cidrs": "ZEROLAYER_API_SERVER_CIDRS",
+    "api_server_ports": "ZEROLAYER_API_SERVER_PORTS",
     "resync_seconds": "ZEROLAYER_RESYNC_SECONDS",
 }
 
@@ -42,6 +43,8 @@ class OperatorConfig:
     ServiceAccount (by name) may read that Secret, and no runtime reads a tenant's Secret.
     ``runtime_metrics_port``: the runtime's /metrics port, admitted only from the scrapers'
     namespaces. ``api_server_cidrs``: the API server's addresses, for the runtime's egress policy.
+    ``api_server_ports``: the ports the API server itself listens on, for the same policy: CNIs
+    check egress after the ``kubernetes`` Service's DNAT, so the Service's 443 is not what they see.
     ``tenant_secret_namespaces``: namespaces a TenantQuota's ``apiKeySecretRef`` may name
     besides the tenant's own ``spec.namespaces`` and the runtime namespace.
     ``operator_namespace`` is where the operator's own pod runs (its NetworkPolicy peer).
@@ -62,6 +65,7 @@ class OperatorConfig:
     # Where runtime pods may open connections to the API server (their egress NetworkPolicy).
     # Empty: any address except link-local (the cloud metadata endpoint), on 443 and 6443.
     api_server_cidrs: tuple[str, ...] = ()
+    api_server_ports: tuple[int, ...] = (443, 6443)
     resync_seconds: float = 30.0
 
     def __post_init__(self) -> None:
@@ -79,6 +83,11 @@ class OperatorConfig:
                 raise ConfigError(f"{what} {port} is outside 1..65535")
         if int(self.runtime_metrics_port) == int(self.runtime_port):
             raise ConfigError("the runtime's metrics port must differ from its serving port")
+        if not self.api_server_ports:
+            raise ConfigError("API server ports must not be empty (runtimes read their InferenceNode from it)")
+        for port in self.api_server_ports:
+            if not 1 <= int(port) <= 65535:
+                raise ConfigError(f"API server port {port} is outside 1..65535")
         for cidr in self.api_server_cidrs:
             try:
                 ipaddress.ip_network(cidr)
@@ -108,6 +117,8 @@ class OperatorConfig:
                     values[field] = float(raw)
                 elif field == "runtime_resources":
                     values[field] = json.loads(raw)
+                elif field == "api_server_ports":
+                    values[field] = tuple(int(n) for n in raw.split(",") if n.strip())
                 elif field in ("metrics_scraper_namespaces", "tenant_secret_namespaces", "api_server_cidrs"):
                     values[field] = tuple(n.strip() for n in raw.split(",") if n.strip())
                 else:

@@ -748,12 +748,13 @@ def _url_port(url: str, default_http: int, default_https: int) -> int:
 
 
 def _egress_rules(spec: Mapping[str, Any], config: OperatorConfig) -> list[dict]:
-    """Where a runtime pod may connect: DNS, the API server, ClickHouse when it is the audit store,
+    """Where a runtime pod may connect: DNS, the API server (its own addresses and ports: CNIs match
+    egress after the ``kubernetes`` Service's DNAT), ClickHouse when it is the audit store,
     the model hub when a model is downloaded. Never link-local addresses (the metadata endpoint)."""
     api = [{"ipBlock": {"cidr": c}} for c in config.api_server_cidrs] or _anywhere_but_link_local()
     rules = [
         {"to": [{"namespaceSelector": {}}], "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
-        {"to": api, "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]},
+        {"to": api, "ports": [{"protocol": "TCP", "port": int(p)} for p in config.api_server_ports]},
     ]
     audit = spec.get("audit") or {}
     if audit.get("store") == "clickhouse" and audit.get("clickhouseUrl"):

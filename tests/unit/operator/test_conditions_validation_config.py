@@ -79,6 +79,7 @@ def test_config_from_chart_environment():
 @pytest.mark.parametrize("env", [
     {"ZEROLAYER_RUNTIME_PORT": "http"}, {"ZEROLAYER_RUNTIME_NAMESPACE": "Bad_NS"},
     {"ZEROLAYER_RUNTIME_RESOURCES": "{not json"}, {"ZEROLAYER_RUNTIME_IMAGE_PULL_POLICY": "Sometimes"},
+    {"ZEROLAYER_API_SERVER_PORTS": "https"}, {"ZEROLAYER_API_SERVER_PORTS": "0"},
 ])
 def test_bad_config_is_a_config_error(env):
     with pytest.raises(ConfigError):

@@ -229,3 +229,18 @@ def test_auditor_asks_for_sys_resource_only_on_kernels_that_charge_bpf_to_memloc
         "securityContext"]["capabilities"]["add"]
     assert ("SYS_RESOURCE" in caps) == has_sys_resource
     assert {"BPF", "PERFMON", "SYS_PTRACE", "DAC_READ_SEARCH"} <= set(caps)
+
+
+def _api_server_egress(config):
+    egress = m.build_runtime_networkpolicy(inode(), config)["spec"]["egress"]
+    return [r for r in egress if any(p["port"] not in (53,) for p in r["ports"])][0]
+
+
+def test_runtime_egress_reaches_the_api_server_on_its_own_ports():
+    # CNIs match egress after the `kubernetes` Service's DNAT: the policy names the API server's own port.
+    assert sorted(p["port"] for p in _api_server_egress(CONFIG)["ports"]) == [443, 6443]
+    config = OperatorConfig.from_env({"ZEROLAYER_RUNTIME_NAMESPACE": "zl-run", "ZEROLAYER_API_SERVER_PORTS": "40191",
+                                      "ZEROLAYER_API_SERVER_CIDRS": "10.233.0.1/32"})
+    rule = _api_server_egress(config)
+    assert rule["ports"] == [{"protocol": "TCP", "port": 40191}]
+    assert rule["to"] == [{"ipBlock": {"cidr": "10.233.0.1/32"}}]
