@@ -17,8 +17,10 @@ def parse(body: bytes) -> ChatRequest:
     if not isinstance(model, str) or not model:
         raise invalid("model: required string")
     max_tokens = data.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    if max_tokens is None:
         raise invalid("max_tokens: required integer >= 1")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise invalid(f"max_tokens: must be an integer >= 1, got {max_tokens!r}")
     raw = data.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages: required non-empty list")

@@ -28,9 +28,7 @@ def parse(body: bytes) -> ChatRequest:
         if role not in ("system", "user", "assistant"):
             raise invalid(f"messages[{i}].role must be system, developer, user or assistant")
         messages.append(ChatMessage(role, text_of(message.get("content"), f"messages[{i}].content")))
-    max_tokens = data.get("max_completion_tokens", data.get("max_tokens")) or DEFAULT_MAX_TOKENS
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise invalid("max_tokens: must be an integer >= 1")
+    max_tokens = output_limit(data)
     if data.get("n", 1) not in (1, None):
         raise invalid("n: only 1 is supported")
     priority = data.get("priority")
@@ -50,6 +48,19 @@ def parse(body: bytes) -> ChatRequest:
         priority=priority,
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
     )
+
+
+def output_limit(data: dict[str, Any]) -> int:
+    """``max_completion_tokens`` (the current name), else ``max_tokens`` (the deprecated one), else
+    :data:`DEFAULT_MAX_TOKENS` when neither is given (or both are null). A given value must be an
+    integer >= 1: 0 is refused naming the field, never read as "unset"."""
+    field = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    value = data.get(field)
+    if value is None:
+        return DEFAULT_MAX_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid(f"{field}: must be an integer >= 1, got {value!r}")
+    return value
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:
