@@ -34,4 +34,9 @@ def discover() -> list[str]:
 # without it the install succeeds and the runtime meters through the in-process path only.
 PROBES = Extension("zerolayer.bpf._probes", ["bpf/_probes.c"], optional=True)
 
-setup(package_dir=ROOTS, packages=discover(), ext_modules=[PROBES])
+# Files the code opens next to itself: the auditor's BPF program (bpf/loader.py PROGRAM) and the
+# pause sandbox's source (zerolayer/cluster/images.py). Without them a wheel install (the image)
+# has no kernel path: seen on a real node, where the auditor crashed reading token_events.bpf.c.
+PACKAGE_DATA = {"zerolayer.bpf": ["*.bpf.c"], "zerolayer.cluster": ["pause.c"]}
+
+setup(package_dir=ROOTS, packages=discover(), package_data=PACKAGE_DATA, ext_modules=[PROBES])
