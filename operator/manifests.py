@@ -170,6 +170,10 @@ def _merge_resources(defaults: Mapping[str, Any], override: Mapping[str, Any] | 
 AUDIT_SPOOL = "/run/zerolayer/audit"  # shared by server (token counters, journal) and auditor
 AUDIT_SPOOL_LIMIT = "1Gi"  # 32 journal segments of 32 MiB
 AUDIT_DB = "/var/lib/zerolayer/audit/audit.db"
+# vLLM's engine processes talk through shared-memory ring buffers in /dev/shm (160 MiB for the tiny
+# CPU model already); a container's own /dev/shm is 64 MiB, where the engine refuses to start
+# (seen on a real node). A memory-backed emptyDir, counted against the server's memory limit.
+SHM_SIZE_LIMIT = "1Gi"
 AUDIT_SOURCES = {"auto": "auto", "bpf": "bpf", "inprocess": "journal"}  # spec.audit.mode -> auditor --source
 
 
@@ -507,13 +511,15 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig, node_gpus:
         }
 
     storage = build_model_storage(spec, trusted, trusted_pull)
-    server_mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "run", "mountPath": "/run/zerolayer"}]
+    server_mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "run", "mountPath": "/run/zerolayer"},
+                     {"name": "dshm", "mountPath": "/dev/shm"}]
     server_mounts += storage.server_mounts
     volumes: list[dict] = [
         {"name": "tmp", "emptyDir": {}},
         # The audit spool (journal segments, counters). The auditor deletes consumed segments; the limit
         # bounds what a stalled auditor can pile up on the node's disk (past it the kubelet evicts the pod).
         {"name": "run", "emptyDir": {"sizeLimit": AUDIT_SPOOL_LIMIT}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE_LIMIT}},
         API_ACCESS_VOLUME,
     ] + storage.volumes
     server_mounts.append(dict(API_ACCESS_MOUNT))

@@ -244,3 +244,11 @@ def test_runtime_egress_reaches_the_api_server_on_its_own_ports():
     rule = _api_server_egress(config)
     assert rule["ports"] == [{"protocol": "TCP", "port": 40191}]
     assert rule["to"] == [{"ipBlock": {"cidr": "10.233.0.1/32"}}]
+
+
+def test_server_gets_a_memory_backed_dev_shm_for_the_engine():
+    ds = build_ds(inode(), CONFIG)
+    server = containers(ds)["server"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in server["volumeMounts"]
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": m.SHM_SIZE_LIMIT}
