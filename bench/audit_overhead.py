@@ -122,7 +122,7 @@ def throughput(workdir: pathlib.Path, rounds: int, seconds: float, workers: int,
         model = "tiny-llama"
         spec = {"kind": "vllm", "model_path": str(workdir / "tiny-llama"), "generate_tiny_model": True,
                 "served_name": model, "max_model_len": 512, "max_num_seqs": workers,
-                "kv_cache_memory_bytes": 128 << 20}
+                "kv_cache_memory_bytes": 128 << 20, "enforce_eager": True, "dtype": "float32"}
     config.write_text(json.dumps({
         "listen": {"host": "127.0.0.1", "port": 0},
         "engine": spec,

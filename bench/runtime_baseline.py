@@ -29,7 +29,8 @@ def _engine():  # type: ignore[no-untyped-def]
         from zerolayer.runtime.engine.vllm_engine import VllmEngine
 
         return VllmEngine(os.environ["BENCH_MODEL"], served_name="synthetic", max_model_len=1024,
-                          max_num_seqs=16, kv_cache_memory_bytes=64 * 1024 * 1024)
+                          max_num_seqs=16, kv_cache_memory_bytes=64 * 1024 * 1024,
+                          enforce_eager=True, dtype="float32")  # CPU settings
     return SyntheticEngine()
 
 

@@ -101,7 +101,7 @@ async def direct(n_latency: int, n_throughput: int, concurrency: int) -> dict:
         from zerolayer.runtime.engine.vllm_engine import VllmEngine
 
         engine = VllmEngine(str(TINY_MODEL), served_name="synthetic", max_model_len=1024, max_num_seqs=16,
-                            kv_cache_memory_bytes=64 * 1024 * 1024)
+                            kv_cache_memory_bytes=64 * 1024 * 1024, enforce_eager=True, dtype="float32")
     else:
         engine = SyntheticEngine()
     await engine.start()
@@ -209,7 +209,8 @@ async def zerolayer(n_latency: int, n_throughput: int, concurrency: int, http2: 
         "listen": {"host": "127.0.0.1", "port": port},
         "engine": {"kind": "synthetic", "models": ["synthetic"]} if ENGINE == "synthetic" else {
             "kind": "vllm", "model_path": str(TINY_MODEL), "served_name": "synthetic", "max_model_len": 1024,
-            "max_num_seqs": 16, "kv_cache_memory_bytes": 64 * 1024 * 1024},
+            "max_num_seqs": 16, "kv_cache_memory_bytes": 64 * 1024 * 1024,
+            "enforce_eager": True, "dtype": "float32"},
         "tenants": [{"name": "bench", "keys": [{"env": "BENCH_KEY"}]}],
         "limits": {"max_concurrent_streams": 1024},
     }

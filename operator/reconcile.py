@@ -182,6 +182,14 @@ class Reconciler:
                 cond.condition("Ready", False, "InvalidSpec", "; ".join(problems))], "Degraded")
             await self._note_transition(body, outcome, new, "Degraded")
             raise SpecError(problems)
+        problems = validation.engine_args_problems(spec)
+        if problems:
+            # Before any child is written: the running runtime keeps its last good spec.
+            message = "; ".join(problems)
+            await self._conditions_status(body, INODE, [cond.condition("Ready", False, "InvalidEngineArgs", message)],
+                                          "Degraded")
+            await self._act(body, outcome, "InvalidEngineArgs", message, warning=True)
+            raise SpecError(problems)
 
         node_name = spec["nodeName"]
         for nodes in self.node_index.values():

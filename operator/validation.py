@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from zerolayer import engine_args
+
 PRIORITIES = ("high", "normal", "low")
 
 
@@ -43,6 +45,45 @@ def inference_node_problems(spec: Mapping[str, Any]) -> list[str]:
     if heartbeat is not None and stale is not None and stale <= heartbeat:
         problems.append(f"gossip.staleAfterSeconds ({stale}) must exceed gossip.heartbeatSeconds ({heartbeat}), "
                         "or every node would look stale between two heartbeats")
+    return problems
+
+
+# spec.runtime's typed engine fields -> the vLLM argument each sets (runtime/incluster.py maps them).
+TYPED_ENGINE_FIELDS = {"kvCacheBytes": "kv_cache_memory_bytes", "gpuMemoryUtilization": "gpu_memory_utilization",
+                       "maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
+                       "dtype": "dtype", "enforceEager": "enforce_eager", "quantization": "quantization",
+                       "enablePrefixCaching": "enable_prefix_caching"}
+
+
+def engine_args_problems(spec: Mapping[str, Any]) -> list[str]:
+    """What is wrong with ``spec.runtime.engineArgs`` (reason InvalidEngineArgs); empty when valid.
+
+    Names are checked against vLLM's own (the list shipped in zerolayer/vllm_args.py: the operator
+    never imports vLLM); a typo names the closest valid argument. A name a typed field also sets
+    is refused (``gpuMemoryUtilization`` has a default, so ``gpu_memory_utilization`` always is),
+    and so is a parallel layout needing more GPUs than the pod requests.
+    """
+    runtime = spec.get("runtime") or {}
+    args = runtime.get("engineArgs")
+    if not args:
+        return []
+    typed = {arg: f"spec.runtime.{field}" for field, arg in TYPED_ENGINE_FIELDS.items()
+             if runtime.get(field) is not None}
+    models = spec.get("models") or [{}]
+    model = next((m for m in models if m.get("default")), models[0])
+    if model.get("maxModelLen"):
+        typed["max_model_len"] = f"spec.models[{model.get('name')}].maxModelLen"
+    problems = engine_args.problems(args, "spec.runtime.engineArgs", typed)
+    if problems or not isinstance(args, Mapping):
+        return problems
+    gpus = max(1, int(runtime.get("gpus", 1)))
+    layout = [args.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in layout):
+        problems.append(f"spec.runtime.engineArgs: tensor_parallel_size and pipeline_parallel_size must be positive "
+                        f"integers, got {layout}")
+    elif layout[0] * layout[1] > gpus:
+        problems.append(f"spec.runtime.engineArgs: tensor_parallel_size x pipeline_parallel_size = "
+                        f"{layout[0] * layout[1]} GPUs, but the pod gets {gpus} (spec.runtime.gpus)")
     return problems
 
 

@@ -8,6 +8,7 @@ micro-scheduler, tenants and GPU source. Every error names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
 from typing import Any, Mapping
@@ -20,8 +21,10 @@ from zerolayer.runtime.limits import Limits
 from zerolayer.runtime.scheduler.api import TenantPolicy
 from zerolayer.runtime.tenants import Tenant, key_hash
 
+log = logging.getLogger(__name__)
+
 ENGINE_KINDS = ("synthetic", "vllm")
-GPU_SOURCES = ("none", "cpu", "simulated", "nvml")
+GPU_SOURCES = ("none", "auto", "cpu", "simulated", "nvml")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +119,10 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
     engine = _mapping(data.get("engine"), "engine") or {"kind": "synthetic"}
     if engine.get("kind", "synthetic") not in ENGINE_KINDS:
         raise ConfigError(f"engine.kind: one of {', '.join(ENGINE_KINDS)}, got {engine.get('kind')!r}")
-    if engine.get("kind") == "vllm" and not engine.get("model_path"):
-        raise ConfigError("engine.model_path: required for the vllm engine")
+    if engine.get("kind") == "vllm":
+        if not engine.get("model_path"):
+            raise ConfigError("engine.model_path: required for the vllm engine")
+        vllm_settings(engine)  # refuse bad engine settings when the file is loaded, not at engine start
     tenants_raw = data.get("tenants") or []
     if not isinstance(tenants_raw, list):
         raise ConfigError("tenants: expected a list")
@@ -173,6 +178,60 @@ def _resolve(config: RuntimeConfig, value: str) -> str:
     return str(pathlib.Path(value))
 
 
+# The vllm engine's typed settings: key -> (check, what it must be). Defaults are VllmSettings's (GPU).
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_VLLM_TYPED: dict[str, tuple[Any, str]] = {
+    "max_model_len": (_positive_int, "a positive integer"),
+    "max_num_seqs": (_positive_int, "a positive integer"),
+    "max_num_batched_tokens": (_positive_int, "a positive integer"),
+    "kv_cache_memory_bytes": (_positive_int, "a positive integer (bytes)"),
+    "gpu_memory_utilization": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
+                               "a number in (0, 1]"),
+    "dtype": (lambda v: v in VLLM_DTYPES, f"one of {', '.join(VLLM_DTYPES)}"),
+    "enforce_eager": (lambda v: isinstance(v, bool), "true or false"),
+    "tensor_parallel_size": (_positive_int, "a positive integer"),
+    "quantization": (lambda v: isinstance(v, str) and bool(v), "a vLLM quantization method name"),
+    "enable_prefix_caching": (lambda v: isinstance(v, bool), "true or false"),
+}
+VLLM_KEYS = frozenset(_VLLM_TYPED) | {"model_path", "served_name", "generate_tiny_model", "engine_args"}
+
+
+def vllm_settings(spec: Mapping[str, Any], where: str = "engine"):  # type: ignore[no-untyped-def]
+    """The vllm engine's settings from the ``engine:`` mapping; a ConfigError names the first bad key.
+
+    Unknown keys, typed values of the wrong kind, ``engine_args`` names vLLM does not take (with
+    the closest one it does), names zerolayer sets itself, and a name also set as a typed key
+    are all refused here, before anything starts.
+    """
+    from zerolayer import engine_args as passthrough
+    from zerolayer.runtime.engine.vllm_engine import VllmSettings
+
+    unknown = sorted(set(spec) - VLLM_KEYS - {"kind"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys for the vllm engine: {', '.join(unknown)} "
+                          f"(known: {', '.join(sorted(VLLM_KEYS))})")
+    typed: dict[str, Any] = {}
+    for key, (ok, what) in _VLLM_TYPED.items():
+        value = spec.get(key)
+        if value is None:
+            continue
+        if not ok(value):
+            raise ConfigError(f"{where}.{key}: expected {what}, got {value!r}")
+        typed[key] = value
+    if "kv_cache_memory_bytes" in typed and "gpu_memory_utilization" in typed:
+        raise ConfigError(f"{where}: set kv_cache_memory_bytes or gpu_memory_utilization, not both (a fixed "
+                          "KV-cache size makes vLLM ignore the memory fraction)")
+    extra = spec.get("engine_args")
+    problems = passthrough.problems(extra, f"{where}.engine_args", {k: f"{where}.{k}" for k in typed})
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return VllmSettings(**typed, engine_args=dict(extra or {}))
+
+
 def build_engine(config: RuntimeConfig):  # type: ignore[no-untyped-def]
     spec = dict(config.engine)
     kind = spec.pop("kind", "synthetic")
@@ -192,32 +251,38 @@ def build_engine(config: RuntimeConfig):  # type: ignore[no-untyped-def]
         )
     from zerolayer.runtime.engine.vllm_engine import VllmEngine
 
-    allowed = {"model_path", "served_name", "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "dtype",
-               "generate_tiny_model", "engine_args"}
-    unknown = sorted(set(spec) - allowed)
-    if unknown:
-        raise ConfigError(f"engine: unknown keys for the vllm engine: {', '.join(unknown)}")
     model_path = _resolve(config, str(spec["model_path"]))
+    settings = vllm_settings(spec)
     if spec.get("generate_tiny_model"):
         from zerolayer.runtime import tinymodel
 
         tinymodel.generate(model_path)
-    return VllmEngine(
-        model_path,
-        served_name=spec.get("served_name"),
-        max_model_len=int(spec.get("max_model_len", 2048)),
-        max_num_seqs=int(spec.get("max_num_seqs", 16)),
-        kv_cache_memory_bytes=int(spec.get("kv_cache_memory_bytes", 256 * 1024 * 1024)),
-        dtype=str(spec.get("dtype", "float32")),
-        engine_args=spec.get("engine_args"),
-    )
+    return VllmEngine(model_path, served_name=spec.get("served_name"), settings=settings)
 
 
-def build_gpu_source(config: RuntimeConfig, engine):  # type: ignore[no-untyped-def]
+def build_gpu_source(config: RuntimeConfig, engine, *,  # type: ignore[no-untyped-def]
+                     environ: Mapping[str, str] | None = None, loadable=None):
+    """The GPU source the ``gpu:`` section names. ``auto`` (what in-cluster runtimes get) is NVML
+    when this process has NVIDIA GPUs, else the CPU source (:mod:`zerolayer.runtime.gpu.select`);
+    an ``auto`` NVML that fails to start falls back to the CPU source with a warning, a configured
+    ``nvml`` fails. ``environ`` and ``loadable`` replace the process's own for tests."""
     spec = dict(config.gpu)
     source = spec.get("source", "none")
     if source == "none":
         return None
+    if source == "auto":
+        from zerolayer.runtime.gpu.select import choose_source, nvml_loadable
+
+        source, why = choose_source(os.environ if environ is None else environ, loadable or nvml_loadable)
+        log.info("GPU source: %s (%s)", source, why)
+        if source == "nvml":
+            from zerolayer.runtime.gpu.api import GpuSourceError
+
+            try:
+                return _nvml_source(spec)
+            except GpuSourceError as exc:
+                log.warning("GPU source: NVML did not start (%s); reading the CPU source instead", exc)
+                source = "cpu"
     if source == "cpu":
         from zerolayer.runtime.gpu.cpu import CpuSource
 
@@ -228,6 +293,10 @@ def build_gpu_source(config: RuntimeConfig, engine):  # type: ignore[no-untyped-
         if "scenario" in spec:
             return SimulatedGpuSource.from_yaml(_resolve(config, str(spec["scenario"])))
         return SimulatedGpuSource.constant(float(spec.get("memory", 0.5)))
+    return _nvml_source(spec)
+
+
+def _nvml_source(spec: Mapping[str, Any]):  # type: ignore[no-untyped-def]
     from zerolayer.runtime.gpu.nvml import NvmlSource
 
     return NvmlSource(spec.get("indices"))

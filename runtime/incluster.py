@@ -73,14 +73,10 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
             path = model_layout.container_path(model)
         except model_layout.ModelSourceError as exc:
             raise ConfigError(f"InferenceNode model {model.get('name')!r}: {exc}") from exc
-        engine = {"kind": "vllm", "model_path": path, "served_name": model["name"]}
-        if model.get("maxModelLen"):
-            engine["max_model_len"] = int(model["maxModelLen"])
-        if runtime.get("kvCacheBytes"):
-            engine["kv_cache_memory_bytes"] = int(runtime["kvCacheBytes"])
-        if runtime.get("gpuMemoryUtilization"):
-            engine["engine_args"] = {"gpu_memory_utilization": float(runtime["gpuMemoryUtilization"])}
+        engine = {"kind": "vllm", "model_path": path, "served_name": model["name"], **vllm_engine_settings(spec)}
     config["engine"] = engine
+    if "gpu" not in config:
+        config["gpu"] = gpu_source_settings(runtime)
     listen = dict(config.get("listen") or {})
     listen.setdefault("host", "0.0.0.0")  # a pod serves on its own IP
     listen["port"] = int(runtime.get("port", 8443))
@@ -107,6 +103,54 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     if limits:
         config["limits"] = limits
     return config
+
+
+# spec.runtime's typed engine settings -> the standalone engine keys (vLLM's argument names).
+ENGINE_FIELDS = (("maxNumSeqs", "max_num_seqs"), ("maxNumBatchedTokens", "max_num_batched_tokens"),
+                 ("dtype", "dtype"), ("enforceEager", "enforce_eager"), ("quantization", "quantization"),
+                 ("enablePrefixCaching", "enable_prefix_caching"))
+
+
+def vllm_engine_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The vllm engine keys an InferenceNode's spec sets (model path and name aside).
+
+    ``models[].maxModelLen`` of the served model -> ``max_model_len`` (unset: the model's own
+    limit); ``kvCacheBytes`` -> ``kv_cache_memory_bytes``, else ``gpuMemoryUtilization`` ->
+    ``gpu_memory_utilization`` (vLLM ignores the fraction when the size is fixed, so only one goes);
+    ``gpus`` -> ``tensor_parallel_size`` unless ``engineArgs`` sets it (0 GPUs: 1); the typed knobs
+    of :data:`ENGINE_FIELDS`; ``engineArgs`` -> ``engine_args`` unchanged (the runtime refuses a name
+    vLLM does not take, or one a typed field also sets, as the operator does at admission).
+    """
+    runtime = spec.get("runtime") or {}
+    models = spec.get("models") or [{}]
+    model = next((m for m in models if m.get("default")), models[0])
+    engine_args = dict(runtime.get("engineArgs") or {})
+    engine: dict[str, Any] = {}
+    if model.get("maxModelLen"):
+        engine["max_model_len"] = int(model["maxModelLen"])
+    if runtime.get("kvCacheBytes"):
+        engine["kv_cache_memory_bytes"] = int(runtime["kvCacheBytes"])
+    elif runtime.get("gpuMemoryUtilization") is not None:
+        engine["gpu_memory_utilization"] = float(runtime["gpuMemoryUtilization"])
+    if "tensor_parallel_size" not in engine_args:
+        engine["tensor_parallel_size"] = max(1, int(runtime.get("gpus", 1)))
+    for theirs, ours in ENGINE_FIELDS:
+        if runtime.get(theirs) is not None:
+            engine[ours] = runtime[theirs]
+    if engine_args:
+        engine["engine_args"] = engine_args
+    return engine
+
+
+def gpu_source_settings(runtime: Mapping[str, Any]) -> dict[str, Any]:
+    """The GPU source of an operator-deployed runtime: ``auto`` (NVML where the pod has GPUs, else
+    the CPU source) when it requests GPUs, the CPU source when it requests none (CUDA images say
+    ``NVIDIA_VISIBLE_DEVICES=all`` whatever was allocated). ``kvCacheBytes`` sizes the CPU
+    source's memory."""
+    source: dict[str, Any] = {"source": "auto" if int(runtime.get("gpus", 1)) > 0 else "cpu"}
+    if runtime.get("kvCacheBytes"):
+        source["kv_cache_bytes"] = int(runtime["kvCacheBytes"])
+    return source
 
 
 def published_entries(secret: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -362,7 +406,7 @@ class _SyncMetrics:
 
 # What a running runtime can take from an edited InferenceNode without a restart, and what not.
 LIVE_KEYS = ("scheduler",)
-RESTART_KEYS = ("engine", "listen", "tls", "telemetry", "limits")
+RESTART_KEYS = ("engine", "gpu", "listen", "tls", "telemetry", "limits")
 
 
 class NodeSpecSync(_Periodic):

@@ -11,14 +11,15 @@ runtime works without the ``engine`` extra.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import subprocess
 import sys
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, ClassVar, Mapping, Sequence
 
 from zerolayer.runtime.engine.base import ChatMessage, Delta, EngineStats, InputRejected, Prompt, SamplingOptions
-from zerolayer.runtime.errors import EngineError
+from zerolayer.runtime.errors import ConfigError, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -148,38 +149,103 @@ def _is_template_error(exc: BaseException) -> bool:
     return isinstance(exc, TemplateError)
 
 
+@dataclasses.dataclass(frozen=True)
+class VllmSettings:
+    """The engine settings zerolayer types itself, and the arguments passed through as they are.
+
+    Every default targets a GPU node; ``None`` means "not set here":
+
+    - ``dtype``: ``"auto"`` (the model's own dtype, half precision for float32 checkpoints);
+    - ``enforce_eager``: False, so vLLM captures CUDA graphs; True only when asked;
+    - ``tensor_parallel_size``: 1 (in a cluster the node's ``runtime.gpus``, see incluster.py);
+    - ``kv_cache_memory_bytes``: unset, so ``gpu_memory_utilization`` (default
+      :data:`DEFAULT_GPU_MEMORY_UTILIZATION`) sizes the KV cache; a fixed size replaces the
+      fraction (vLLM then ignores the fraction, so setting both is refused);
+    - ``max_model_len``: the model's own limit; ``max_num_seqs``, ``max_num_batched_tokens``,
+      ``enable_prefix_caching``, ``quantization``: vLLM's own defaults.
+
+    ``engine_args`` go to ``AsyncEngineArgs`` unchanged (their names are checked against vLLM's
+    by the config layer, zerolayer/engine_args.py); one that a typed setting also sets is refused.
+    CPU test configs set ``kv_cache_memory_bytes``, ``enforce_eager`` and ``dtype`` themselves.
+    """
+
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    dtype: str | None = None
+    enforce_eager: bool | None = None
+    tensor_parallel_size: int | None = None
+    quantization: str | None = None
+    enable_prefix_caching: bool | None = None
+    engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    DEFAULT_GPU_MEMORY_UTILIZATION: ClassVar[float] = 0.9
+    TYPED: ClassVar[tuple[str, ...]] = (
+        "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "dtype", "enforce_eager", "tensor_parallel_size", "quantization", "enable_prefix_caching")
+
+    def __post_init__(self) -> None:
+        both = sorted(set(self.typed()) & set(self.engine_args))
+        if both:
+            raise ConfigError(f"engine_args {', '.join(both)}: also set as typed settings; set each in one place")
+        if self.kv_cache_memory_bytes is not None and self.gpu_memory_utilization is not None:
+            raise ConfigError("kv_cache_memory_bytes and gpu_memory_utilization: set one (a fixed KV-cache size "
+                              "makes vLLM ignore the memory fraction)")
+
+    def typed(self) -> dict[str, Any]:
+        """The typed settings given (not None), by vLLM argument name."""
+        return {name: getattr(self, name) for name in self.TYPED if getattr(self, name) is not None}
+
+    def vllm_args(self, model: str, served_name: str) -> dict[str, Any]:
+        """The keyword arguments of ``AsyncEngineArgs`` these settings stand for."""
+        args: dict[str, Any] = dict(
+            model=model,
+            served_model_name=served_name,
+            dtype="auto",
+            enforce_eager=False,
+            tensor_parallel_size=1,
+            scheduling_policy="priority",  # the micro-scheduler's priorities go to vLLM's priority queue
+        )
+        passed = self.engine_args
+        if "kv_cache_memory_bytes" not in passed and "gpu_memory_utilization" not in passed:
+            if self.kv_cache_memory_bytes is None:
+                args["gpu_memory_utilization"] = self.DEFAULT_GPU_MEMORY_UTILIZATION
+        args.update(self.typed())
+        args.update(passed)
+        return args
+
+
 class VllmEngine:
+    """vLLM's ``AsyncLLM`` serving one model. ``settings`` (or the same fields as keywords, see
+    :class:`VllmSettings`) say how; with neither, the GPU defaults apply."""
+
     kind = "vllm"
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        served_name: str | None = None,
-        max_model_len: int = 2048,
-        max_num_seqs: int = 16,
-        kv_cache_memory_bytes: int = 256 * 1024 * 1024,
-        dtype: str = "float32",
-        engine_args: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, model_path: str, *, served_name: str | None = None, settings: VllmSettings | None = None,
+                 **knobs: Any) -> None:
+        if settings is not None and knobs:
+            raise TypeError("give settings or keyword settings, not both")
         self.model_path = model_path
         self.models = (served_name or os.path.basename(os.path.normpath(model_path)),)
-        self._args = dict(
-            model=model_path,
-            served_model_name=self.models[0],
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            dtype=dtype,
-            enforce_eager=True,
-            scheduling_policy="priority",
-        )
-        self._args.update(engine_args or {})
-        self.max_model_len = int(self._args["max_model_len"])  # the server refuses prompts that fill it (400)
+        self.settings = settings if settings is not None else VllmSettings(**knobs)
+        self._args = self.settings.vllm_args(model_path, self.models[0])
         self._llm: Any = None
         self._tokenizer: Any = None
         self._stats = EngineStats(running=0, waiting=0, kv_cache_usage=0.0)
         self._reaper = ChildReaper()
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length the server refuses prompts at (400): vLLM's resolved value once
+        started (the model's own limit unless set), the configured one before; None if unknown."""
+        model_config = getattr(getattr(self._llm, "vllm_config", None), "model_config", None)
+        resolved = getattr(model_config, "max_model_len", None)
+        if resolved:
+            return int(resolved)
+        configured = self._args.get("max_model_len")
+        return int(configured) if configured else None
 
     async def start(self) -> None:
         """Start AsyncLLM. Blocks the loop while vLLM spawns its processes: call before serving."""

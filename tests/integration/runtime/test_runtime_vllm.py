@@ -45,7 +45,7 @@ async def vllm_runtime() -> AsyncIterator:
 
     path = await asyncio.to_thread(tinymodel.generate, REPO / ".models" / MODEL)
     engine = VllmEngine(str(path), served_name=MODEL, max_model_len=1024, max_num_seqs=4,
-                        kv_cache_memory_bytes=64 * 1024 * 1024)
+                        kv_cache_memory_bytes=64 * 1024 * 1024, enforce_eager=True, dtype="float32")
     async with start_runtime(engine=engine, sample_interval_s=0.05) as server:
         yield server
 

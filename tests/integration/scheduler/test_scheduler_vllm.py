@@ -41,7 +41,7 @@ async def test_vllm_serves_high_first_and_aborts_expired_work(tmp_path_factory):
 
     model = await asyncio.to_thread(generate, tmp_path_factory.mktemp("model") / "tiny-llama")
     engine = VllmEngine(str(model), served_name="synthetic", max_num_seqs=1, max_model_len=2048,
-                        kv_cache_memory_bytes=64 * 1024 * 1024)
+                        kv_cache_memory_bytes=64 * 1024 * 1024, enforce_eager=True, dtype="float32")
     sched = MicroScheduler()
     async with running_server(engine=engine, scheduler=sched, tenants=[tenant()],
                               sample_interval_s=3600.0) as (server, client):

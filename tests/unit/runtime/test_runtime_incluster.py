@@ -35,7 +35,8 @@ def test_inferencenode_becomes_a_valid_config():
                             "sampleIntervalMs": 100})
     mapping = config_from_inferencenode(node)
     assert mapping["engine"] == {"kind": "vllm", "model_path": "/models/b", "served_name": "big",
-                                 "max_model_len": 4096, "kv_cache_memory_bytes": 1 << 28}
+                                 "max_model_len": 4096, "kv_cache_memory_bytes": 1 << 28, "tensor_parallel_size": 1}
+    assert mapping["gpu"] == {"source": "auto", "kv_cache_bytes": 1 << 28}
     assert mapping["listen"] == {"host": "0.0.0.0", "port": 9443}
     assert mapping["scheduler"]["low_shed_at"] == 0.9 and mapping["scheduler"]["normal_resume_below"] == pytest.approx(0.91)
     config = parse_config(mapping, base_dir=None, environ={})  # type: ignore[arg-type]
