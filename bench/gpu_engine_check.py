@@ -65,8 +65,11 @@ async def run(model: str, requests: int, max_tokens: int) -> list[tuple[str, Any
 
             source = NvmlSource()
             for reading in source.sample():
+                # vLLM pre-allocates up to gpu_memory_utilization: this fraction against the scheduler's
+                # and the GPU map's 0.92 mark says whether NVML memory may drive admission on this GPU.
                 rows.append((f"GPU {reading.index} memory used (NVML)",
-                             f"{reading.memory_used_bytes / 2**30:.1f} / {reading.memory_total_bytes / 2**30:.1f} GiB"))
+                             f"{reading.memory_used_bytes / 2**30:.1f} / {reading.memory_total_bytes / 2**30:.1f} GiB"
+                             f" = {reading.memory_fraction:.3f} (shed mark 0.92)"))
             source.close()
         except Exception as exc:  # noqa: BLE001 - a report line, not a failure of the engine check
             rows.append(("NVML reading", f"failed: {exc}"))
