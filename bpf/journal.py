@@ -80,6 +80,21 @@ def runtime_finished(spool: pathlib.Path, runtime: str) -> bool:
         return False
 
 
+def create_spool(spool: pathlib.Path) -> None:
+    """Make the spool directory if it is missing, as shared as the directory it is made in.
+
+    In a pod the spool lives on an emptyDir that the runtime (non-root) and the auditor (root)
+    share; when the auditor starts first, a directory it made with the default mode would lock the
+    runtime out of its own journal (seen on a real node: "Permission denied" and a crash loop).
+    Taking the parent's mode (the volume's: group-writable and setgid under ``fsGroup``) keeps
+    it exactly as writable as the volume the operator made, and no more.
+    """
+    if spool.is_dir():
+        return
+    spool.mkdir(parents=True, exist_ok=True)
+    spool.chmod(spool.parent.stat().st_mode & 0o7777)
+
+
 class JournalSource:
     kind = "journal"
 
@@ -91,7 +106,7 @@ class JournalSource:
         self.torn_after_s = torn_after_s
         self.clock = clock
         try:
-            self.spool.mkdir(parents=True, exist_ok=True)  # the auditor may start before any runtime
+            create_spool(self.spool)  # the auditor may start before any runtime
         except OSError as exc:
             raise AuditError(f"cannot use spool directory {self.spool}: {exc}") from exc
         self.offsets: dict[str, int] = {k[len(STATE_PREFIX):]: int(v) for k, v in (resume or {}).items()
