@@ -70,7 +70,7 @@ def write_config(path: pathlib.Path, *, engine_kind: str = "synthetic", output_t
         assert model_dir is not None
         engine = {"kind": "vllm", "model_path": str(model_dir), "generate_tiny_model": True,
                   "served_name": VLLM_MODEL, "max_model_len": 512, "max_num_seqs": 8,
-                  "kv_cache_memory_bytes": 64 << 20}
+                  "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True, "dtype": "float32"}  # CPU settings
         model = VLLM_MODEL
     else:
         engine = {"kind": "synthetic", "models": [MODEL], "output_tokens": output_tokens}
