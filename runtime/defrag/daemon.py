@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from zerolayer.gpumap import node_from_object
 from zerolayer.runtime.gpu.api import GpuSource, GpuSourceError
 
 from .errors import DefragError
@@ -110,8 +111,10 @@ class ScanReport:
     error: str | None = None
 
 
-def _published(node: Mapping[str, Any] | None) -> tuple[dict[str, float], int | None]:
-    """(fragmentation by uuid, in-flight streams or None) from an InferenceNode's status."""
+def _published(node: Mapping[str, Any] | None, now: float | None = None) -> tuple[dict[str, float], int | None]:
+    """(fragmentation by uuid, in-flight streams or None) from an InferenceNode's status at Unix time
+    ``now``. A stale heartbeat (older than the node's ``staleAfterSeconds``, as every reader of the
+    GPU map judges it) makes the load unknown: "drained" must never rest on an old count."""
     status = (node or {}).get("status") or {}
     frag = {str(g.get("uuid")): float(g["fragmentation"]) for g in status.get("gpus") or ()
             if isinstance(g, Mapping) and isinstance(g.get("fragmentation"), (int, float))}
@@ -119,6 +122,8 @@ def _published(node: Mapping[str, Any] | None) -> tuple[dict[str, float], int | 
     in_flight = None
     if isinstance(load, Mapping) and isinstance(load.get("running"), int) and isinstance(load.get("waiting"), int):
         in_flight = load["running"] + load["waiting"]
+    if in_flight is not None and node_from_object(node or {}, now).stale:
+        in_flight = None
     return frag, in_flight
 
 
@@ -130,7 +135,8 @@ class Defragd:
                  policy_overrides: Mapping[str, Any] | None = None, events: EventSink | None = None,
                  metrics: DefragMetrics | None = None, send_signal: Callable[[int, int], None] = os.kill,
                  reset: Callable[[int], None] = nvidia_smi_reset, clock: Callable[[], float] = time.monotonic,
-                 catches: Callable[[int, int], bool] = catches_signal) -> None:
+                 catches: Callable[[int, int], bool] = catches_signal,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.source = source
         self.scope = scope
         self._overrides = dict(policy_overrides or {})
@@ -143,6 +149,7 @@ class Defragd:
         self._reset = reset
         self._clock = clock
         self._catches = catches
+        self._wall_clock = wall_clock  # for the status heartbeat's age (Unix time)
         self.tracker = IdleTracker()
         self._stop = threading.Event()
 
@@ -164,7 +171,7 @@ class Defragd:
             return ScanReport((), (), (), (), {}, str(exc))
         now = self._clock()
         nudges, foreign, idle = self.tracker.observe(readings, now, self.policy, self.scope.contains)
-        published, in_flight = _published(node)
+        published, in_flight = _published(node, self._wall_clock())
         resets, fragmentation = reset_decisions(readings, published, self.policy, in_flight)
         for r in readings:
             if r.uuid in fragmentation:

@@ -79,3 +79,24 @@ def test_unrelated_process_without_a_sigusr1_handler_survives(pod):
     assert pod["runtime"][1].read_text().count("SIGUSR1") == 1
     assert metrics.value("zerolayer_defrag_actions_total", action="nudge", mode="live", result="no_handler") == 1
     assert "IdleProcessNotNudged" in [e[0] for e in events.recorded]
+
+
+def test_a_stale_published_load_never_counts_as_drained():
+    """Issue 17: "drained" must not rely on a stale published load. A node whose runtime died with
+    ``load: {running: 0, waiting: 0}`` in its status keeps that zero for good; once its heartbeat is
+    older than ``staleAfterSeconds`` the reset is deferred (load unknown), not performed."""
+    from zerolayer.gpumap import utc_now_rfc3339
+
+    resets: list[int] = []
+    node = {"metadata": {"name": "n"},
+            "spec": {"defrag": {"allowReset": True}, "gossip": {"staleAfterSeconds": 30}},
+            "status": {"load": {"running": 0, "waiting": 0}, "lastHeartbeat": utc_now_rfc3339(time.time() - 600),
+                       "gpus": [{"uuid": "SIM-GPU-0000", "index": 0, "fragmentation": 0.4}]}}
+    events = LogEvents()
+    daemon = Defragd(SimulatedGpuSource.constant(0.5), PidAllowlist([]), node=lambda: node, events=events,
+                     metrics=DefragMetrics(), reset=resets.append, clock=lambda: 0.0)
+    daemon.scan_once()
+    assert resets == [] and events.recorded[-1][0] == "GpuResetDeferred"
+    node["status"]["lastHeartbeat"] = utc_now_rfc3339()  # fresh: now the zero is believed
+    daemon.scan_once()
+    assert resets == [0]

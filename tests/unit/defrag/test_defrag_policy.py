@@ -53,8 +53,11 @@ def test_reset_needs_permission_and_a_drained_node():
 
 
 def node_with(load, *, allow=True, dry=False, frag=0.4):
+    from zerolayer.gpumap import utc_now_rfc3339
+
     return {"metadata": {"name": "n"}, "spec": {"defrag": {"allowReset": allow, "dryRun": dry}},
-            "status": {"load": load, "gpus": [{"uuid": "SIM-GPU-0000", "index": 0, "fragmentation": frag}]}}
+            "status": {"load": load, "lastHeartbeat": utc_now_rfc3339(),
+                       "gpus": [{"uuid": "SIM-GPU-0000", "index": 0, "fragmentation": frag}]}}
 
 
 def test_daemon_resets_only_when_drained_and_reports_each_action():
