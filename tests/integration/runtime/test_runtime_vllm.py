@@ -107,6 +107,45 @@ async def test_preempting_a_vllm_stream_aborts_the_request(vllm_runtime):
     await asyncio.wait_for(engine_idle(), 30)
 
 
+async def _settled(server) -> None:
+    """Until vLLM runs nothing and the runtime holds no stream and no quota reservation."""
+    while server.engine.stats().running or server.scheduler.open_streams() or server.app.streams:
+        await asyncio.sleep(0.05)
+
+
+async def test_client_disconnect_aborts_the_vllm_request_and_frees_its_quota(vllm_runtime, monkeypatch):
+    """Issue 17: a client that goes away mid-stream stops the engine's work and gives its quota
+    reservation back, over HTTP/2 (RST_STREAM, then the socket closes) and HTTP/1.1 (the socket
+    closes: what the official SDKs do over httpx when a caller stops reading)."""
+    aborted: list[str] = []
+    engine_abort = vllm_runtime.engine.abort
+
+    async def spy(request_id: str) -> None:  # vLLM's own abort runs; the test only records the call
+        aborted.append(request_id)
+        await engine_abort(request_id)
+
+    monkeypatch.setattr(vllm_runtime.engine, "abort", spy)
+    body = chat_body(max_tokens=900, model=MODEL)
+    async with H2Client(vllm_runtime.port) as client:
+        sid = await client.request("/v1/messages", body, {"x-api-key": KEY})
+        await asyncio.wait_for(client.streams[sid].got_data.wait(), 30)
+        assert vllm_runtime.scheduler.open_streams() == 1  # the reservation is held while it streams
+        client.conn.reset_stream(sid)
+        await client.flush()
+    await asyncio.wait_for(_settled(vllm_runtime), 30)
+    assert len(aborted) == 1
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", vllm_runtime.port)
+    writer.write(b"POST /v1/messages HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+                 + f"x-api-key: {KEY}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    await asyncio.wait_for(reader.readuntil(b"content_block_delta"), 30)  # tokens are flowing
+    assert vllm_runtime.scheduler.open_streams() == 1
+    writer.close()
+    await asyncio.wait_for(_settled(vllm_runtime), 30)
+    assert len(aborted) == 2 and aborted[0] != aborted[1]
+
+
 async def test_vllm_gauges_on_metrics(vllm_runtime):
     import httpx
 
