@@ -48,7 +48,7 @@ def server_attempts(url: str) -> int:
 # --------------------------------------------------------------------------- shedding
 async def test_shedding_retry_success_rate(runtimes):
     """~20 % of first attempts refused by memory-pressure shedding; how many do retries save?"""
-    node = runtimes("--tps", "200", "--output-tokens", "8", "--kv-capacity", "110", "--retry-after", "0.05")
+    node = runtimes("--tps", "200", "--output-tokens", "8", "--kv-capacity", "100", "--retry-after", "0.05")
     current: contextvars.ContextVar[list] = contextvars.ContextVar("current")
 
     def listener(event):
@@ -83,7 +83,9 @@ async def test_shedding_retry_success_rate(runtimes):
     print(f"\nshedding: {requests} requests, {len(refused)} refused at least once ({len(refused) / requests:.0%}), "
           f"retry success {rate:.1%}, {attempts} attempts on the server ({attempts / requests:.2f}x), "
           f"budget denied {budget.denied}; failures: {collections.Counter(failures).most_common(3)}")  # fmt: skip
-    assert len(refused) > 0.05 * requests  # the scenario really sheds
+    # The scenario really sheds. How much depends on how fast this machine drives it (about 20 % on a
+    # quiet machine, a few % under a full suite's load); the retry check needs a handful.
+    assert len(refused) >= 10
     assert attempts <= 1.2 * requests + budget.burst  # no retry storm
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     if rate < 0.5 and load > 2.0:
