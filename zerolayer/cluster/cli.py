@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "kube-scheduler and kwok on 127.0.0.1, with fake GPU nodes.")
     csub = p.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
     up = csub.add_parser("up", help="start (or reuse) the local control plane and wait until nodes are Ready")
-    up.add_argument("--nodes", type=int, default=3, help="fake GPU nodes to create (default 3)")
+    up.add_argument("--nodes", type=int, default=3, help="fake GPU nodes to create (default 3; 0 is allowed with --real-nodes)")
     up.add_argument("--real-nodes", type=int, default=0, metavar="N",
                     help="also run N real nodes (kubelet + containerd, pods run for real; root only; default 0)")
     up.add_argument("--timeout", type=float, default=180, help="seconds to wait for Ready nodes")
@@ -51,10 +51,10 @@ def _log(msg: str) -> None:
 
 @_guard
 def _up(args) -> int:
-    if args.nodes < 1:
-        raise ClusterError("--nodes must be at least 1")
     if args.real_nodes < 0:
         raise ClusterError("--real-nodes must be 0 or more")
+    if args.nodes < 0 or args.nodes + args.real_nodes < 1:
+        raise ClusterError("--nodes must be at least 1 (or 0 with --real-nodes)")
     LocalCluster(log=_log).up(nodes=args.nodes, timeout=args.timeout, real_nodes=args.real_nodes)
     return 0
 
