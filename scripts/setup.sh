@@ -17,6 +17,9 @@ else
 fi
 
 # 2. The project with its test and bpf extras (builds the USDT probe extension when sys/sdt.h exists).
+# The image's app layer builds the wheel without build isolation: the build backend must be the one
+# pyproject.toml asks for (PEP 639 license strings need setuptools >= 77).
+python3 -m pip install -q "setuptools>=77" wheel
 python3 -m pip install -q -e ".[test,bpf]"
 # chdb is ClickHouse's engine in-process: the audit store's ClickHouse schema is tested on it.
 python3 -m pip install -q chdb
