@@ -15,6 +15,7 @@ reads whatever the number of tenants, and a Secret that cannot be read costs its
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import base64
 import binascii
@@ -294,13 +295,14 @@ class KubeReader:
         return published_entries({"data": dict(found.data or {})} if found is not None else None)
 
 
-class _Periodic:
+class _Periodic(abc.ABC):
     """A background ``run()`` task on the running loop, started once and cancelled on stop."""
 
     _task: "asyncio.Task[None] | None" = None
 
+    @abc.abstractmethod
     async def run(self) -> None:
-        raise NotImplementedError
+        """The loop itself; subclasses say what one period does."""
 
     def start(self):  # type: ignore[no-untyped-def]
         self._task = asyncio.get_running_loop().create_task(self.run())
