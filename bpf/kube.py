@@ -20,6 +20,7 @@ import logging
 from decimal import Decimal
 from typing import Any, Callable, Mapping
 
+from zerolayer import kubeaccess
 from zerolayer.bpf.errors import AuditError, QuotaStatusConflict, QuotaStatusError
 
 log = logging.getLogger(__name__)
@@ -31,17 +32,6 @@ def _rfc3339(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _load_config(kubeconfig: str | None) -> None:
-    """The given kubeconfig; else in-cluster, then ~/.kube/config."""
-    from kubernetes import config
-
-    if kubeconfig:
-        config.load_kube_config(kubeconfig)
-        return
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
 
 
 class TenantQuotaApi:
@@ -51,8 +41,7 @@ class TenantQuotaApi:
         try:
             from kubernetes import client
 
-            _load_config(kubeconfig)
-            self._api = client.CustomObjectsApi()
+            self._api = client.CustomObjectsApi(kubeaccess.api_client(kubeconfig))
         except Exception as exc:  # kubernetes raises several unrelated types for bad configs
             raise QuotaStatusError(f"cannot configure the Kubernetes client: {exc}") from exc
 
@@ -87,8 +76,7 @@ def pod_uid(ref: str, kubeconfig: str | None = None) -> str:
     try:
         from kubernetes import client
 
-        _load_config(kubeconfig)
-        pod = client.CoreV1Api().read_namespaced_pod(name, namespace)
+        pod = client.CoreV1Api(kubeaccess.api_client(kubeconfig)).read_namespaced_pod(name, namespace)
     except Exception as exc:  # config errors, ApiException (404, 403), connection errors
         reason = getattr(exc, "reason", None) or exc
         raise AuditError(f"cannot look up pod {ref}: {reason}") from exc

@@ -232,11 +232,9 @@ class KubernetesNodeMap(_PollingMap):
         from kubernetes import client, config, watch
 
         if api is None:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api = client.CustomObjectsApi()
+            from zerolayer import kubeaccess
+
+            api = client.CustomObjectsApi(kubeaccess.api_client())
         self._api = api
         self._watch_mod = watch
         self._retry_s = retry_s

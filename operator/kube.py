@@ -21,17 +21,16 @@ import dataclasses
 import datetime
 import json
 import logging
-import os
 import socket
 import ssl
 import time
 from typing import Any, Callable, Mapping
 
 import aiohttp
-import kubernetes.config
 import kubernetes.utils
 from kubernetes import client as k8s_client
 
+from zerolayer import kubeaccess
 from zerolayer.operator import manifests
 from zerolayer.operator.errors import Conflict, KubeError, NotFound, NotOwned
 
@@ -152,15 +151,10 @@ class Credentials:
     @classmethod
     def load(cls, kubeconfig: str | None = None) -> "Credentials":
         """Kubeconfig (``kubeconfig``, ``$KUBECONFIG`` or ``~/.kube/config``), else in-cluster."""
-        configuration = k8s_client.Configuration()
         try:
-            if kubeconfig or os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config")):
-                kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-            else:
-                kubernetes.config.load_incluster_config(client_configuration=configuration)
-        except (kubernetes.config.ConfigException, OSError) as exc:
+            return cls(kubeaccess.load_configuration(kubeconfig))
+        except kubeaccess.KubeConfigError as exc:
             raise KubeError(f"cannot load Kubernetes credentials: {exc}") from exc
-        return cls(configuration)
 
     def connection_fields(self) -> dict[str, Any]:
         """The same credentials as keyword arguments of ``kopf.ConnectionInfo`` (for kopf's

@@ -26,6 +26,7 @@ import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
 
+from zerolayer import kubeaccess
 from zerolayer import models as model_layout
 from zerolayer.contract import Priority
 from zerolayer.runtime.errors import ConfigError, RuntimeServerError
@@ -250,20 +251,13 @@ class KubeReader:
 
     def __init__(self, kubeconfig: str | None = None) -> None:
         try:
-            from kubernetes import client, config
+            from kubernetes import client
         except ImportError as exc:  # pragma: no cover - kubernetes is a base dependency
             raise ClusterReadError("the kubernetes client is not installed") from exc
         try:
-            if kubeconfig:
-                api = config.new_client_from_config(config_file=kubeconfig)
-            else:
-                try:
-                    config.load_incluster_config()
-                    api = client.ApiClient()
-                except config.ConfigException:
-                    api = config.new_client_from_config()
-        except Exception as exc:  # ConfigException, missing files, bad YAML
-            raise ClusterReadError(f"no usable Kubernetes configuration: {exc}") from exc
+            api = kubeaccess.api_client(kubeconfig)
+        except kubeaccess.KubeConfigError as exc:
+            raise ClusterReadError(str(exc)) from exc
         self._custom = client.CustomObjectsApi(api)
         self._core = client.CoreV1Api(api)
 

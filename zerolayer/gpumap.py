@@ -288,16 +288,11 @@ def load_custom_objects_api(kubeconfig: str | None = None) -> Any:
         from kubernetes import client, config
     except ImportError as exc:  # pragma: no cover - kubernetes is a core dependency
         raise GpuMapError("reading the GPU map needs the kubernetes package") from exc
+    from zerolayer import kubeaccess
+
     try:
-        if kubeconfig:
-            api_client = config.new_client_from_config(config_file=kubeconfig)
-        else:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api_client = client.ApiClient()
-    except (config.ConfigException, OSError, TypeError, ValueError) as exc:
+        api_client = kubeaccess.api_client(kubeconfig)
+    except kubeaccess.KubeConfigError as exc:
         raise GpuMapError(f"no Kubernetes configuration for the GPU map: {exc}") from exc
     return client.CustomObjectsApi(api_client)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from zerolayer import kubeaccess
 from zerolayer.gpumap import GROUP, KIND, PLURAL, VERSION, utc_now_rfc3339
 
 from .errors import KubeApiError
@@ -34,20 +35,11 @@ def load_api_client(kubeconfig: str | None = None) -> Any:
     Configuration is per client (not the library's global default), so a test process can
     hold several. Raises KubeApiError when there is no usable configuration.
     """
-    client, config, _, _ = _client_modules()
-    configuration = client.Configuration()
     try:
-        if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        else:
-            try:
-                config.load_incluster_config(client_configuration=configuration)
-            except config.ConfigException:
-                config.load_kube_config(client_configuration=configuration)
-    except (config.ConfigException, OSError, TypeError, ValueError) as exc:
-        raise KubeApiError(f"no Kubernetes configuration: {exc}") from exc
-    configuration.retries = 1  # a gone API server should fail fast; the publisher has its own backoff
-    return client.ApiClient(configuration)
+        # retries=1: a gone API server should fail fast; the publisher has its own backoff
+        return kubeaccess.api_client(kubeconfig, retries=1)
+    except kubeaccess.KubeConfigError as exc:
+        raise KubeApiError(str(exc)) from exc
 
 
 class NodeApi:

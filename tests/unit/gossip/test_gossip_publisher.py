@@ -130,7 +130,7 @@ current-context: x
 
 
 def test_node_api_without_configuration_is_a_kube_api_error(tmp_path):
-    with pytest.raises(KubeApiError, match="no Kubernetes configuration"):
+    with pytest.raises(KubeApiError, match="no usable Kubernetes configuration"):
         NodeApi(kubeconfig=str(tmp_path / "missing"))
 
 
