@@ -21,9 +21,46 @@ class InputRejected(EngineError):
 
 
 @dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A call the model made (or made earlier, in a chat's history): ``arguments`` is a JSON object's text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call: ``parameters`` is a JSON Schema (an object schema), as JSON text
+    so the spec stays hashable."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolUse:
+    """The tools a request offers and how the model must use them. ``choice``: ``"auto"`` (the model
+    decides; needs the engine's tool-call parser), ``"required"`` (at least one call) or
+    ``"function"`` (exactly a call of ``function``). ``"none"`` never reaches the engine: the API
+    layer then renders the tools but asks for no call."""
+
+    tools: tuple[ToolSpec, ...]
+    choice: str = "auto"
+    function: str | None = None
+    parallel: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant"
+    """One turn. ``role``: "system" | "user" | "assistant" | "tool". An assistant turn may carry the
+    calls it made; a tool turn answers the call ``tool_call_id``."""
+
+    role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +76,52 @@ class Prompt:
 
 
 @dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's form, enforced while sampling: ``kind`` ``"json_object"`` (any JSON
+    object; ``schema`` None) or ``"json_schema"`` (``schema``: a JSON Schema, as JSON text)."""
+
+    kind: str
+    schema: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingOptions:
+    """What the engine must honour for one request; an engine that cannot honour a field that is set
+    (not at its default) raises :class:`InputRejected` naming it, never ignores it.
+
+    ``top_k``: None or -1 is "all tokens". ``logit_bias``: (token id, bias in [-100, 100]) pairs.
+    ``logprobs``: None (none returned), else how many top alternatives (0..20) to return with each
+    sampled token's own logprob. ``n``: independent completions, told apart by ``Delta.index``.
+    ``structured``: the output's form (JSON). ``tools``: forced tool calls (choice ``"required"``
+    or ``"function"``) are a structured output the engine derives from the tools."""
+
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_k: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    n: int = 1
+    structured: StructuredOutput | None = None
+    tools: ToolUse | None = None
+
+    def set_fields(self) -> list[str]:
+        """The fields given a value other than their default (for an engine's "cannot honour" check)."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.name != "max_tokens" and getattr(self, f.name) != f.default]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's text and log-probability, and the ``top`` most likely alternatives at its place."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +132,9 @@ class Delta:
     text: str
     token_count: int
     finish_reason: str | None = None
+    index: int = 0  # which of the request's ``n`` completions this delta extends
+    stop_sequence: str | None = None  # with finish_reason "stop": the stop string that ended it, if one did
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when ``SamplingOptions.logprobs`` is set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +151,23 @@ class Engine(Protocol):
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     def ready(self) -> bool: ...
-    async def render(self, model: str, messages: Sequence[ChatMessage]) -> Prompt: ...
+    async def render(self, model: str, messages: Sequence[ChatMessage], *, tools: Sequence[ToolSpec] = (),
+                     continue_final: bool = False) -> Prompt:
+        """The chat through the model's template. ``tools`` are shown to the model (the template must
+        support them, else :class:`InputRejected`); ``continue_final``: the last message is an assistant
+        prefill the output continues (no new turn is opened)."""
+        ...
+
+    async def encode(self, model: str, text: str) -> Prompt:
+        """A raw prompt (``/v1/completions``): the text tokenized as it is, no template."""
+        ...
+
+    def parse_tool_calls(self, text: str, tools: ToolUse) -> tuple[str, tuple[ToolCall, ...]]:
+        """A finished output split into (remaining text, the tool calls in it). Forced calls (choice
+        ``"required"``/``"function"``) are the JSON the structured output asked for; ``"auto"`` uses the
+        engine's tool-call parser (:class:`InputRejected` at generate time where it has none)."""
+        ...
+
     def generate(
         self, prompt: Prompt, options: SamplingOptions, request_id: str, priority: int
     ) -> AsyncIterator[Delta]: ...

@@ -6,15 +6,37 @@ always gets the same answer. Optional pacing (time to first token, tokens per se
 makes streams last long enough for scheduling tests; with no pacing it measures pure
 protocol cost. KV-cache use is modelled as tokens held by running requests over
 ``kv_capacity_tokens``, so memory pressure can be produced on purpose.
+
+Its "model" picks each word uniformly from a fixed list of :data:`_WORDS` (the hash says which), so
+what it honours of :class:`SamplingOptions` is what a uniform deterministic chooser can: ``n``
+(completion ``i`` hashes the prompt with ``i``), ``stop`` (output ends before a stop string, which is
+reported), ``logprobs`` (every word's true probability, 1/len(_WORDS)), structured outputs and forced
+tool calls (a minimal JSON instance of the schema: types, required properties, enums, first
+``anyOf`` branch; not pattern, length or numeric bounds). Temperature, top_p, top_k, penalties,
+logit_bias and seed change nothing: the choice is not sampled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import AsyncIterator, Sequence
+import json
+import math
+from typing import Any, AsyncIterator, Sequence
 
-from zerolayer.runtime.engine.base import ChatMessage, Delta, EngineStats, Prompt, SamplingOptions
+from zerolayer.runtime.engine import tools as forced
+from zerolayer.runtime.engine.base import (
+    ChatMessage,
+    Delta,
+    EngineStats,
+    InputRejected,
+    Prompt,
+    SamplingOptions,
+    TokenLogprob,
+    ToolCall,
+    ToolSpec,
+    ToolUse,
+)
 from zerolayer.runtime.errors import EngineError
 
 _WORDS = (
@@ -57,36 +79,104 @@ class SyntheticEngine:
     def ready(self) -> bool:
         return self._started
 
-    async def render(self, model: str, messages: Sequence[ChatMessage]) -> Prompt:
-        text = "".join(f"<{m.role}> {m.content}\n" for m in messages) + "<assistant>"
+    async def render(self, model: str, messages: Sequence[ChatMessage], *, tools: Sequence[ToolSpec] = (),
+                     continue_final: bool = False) -> Prompt:
+        if continue_final and (not messages or messages[-1].role != "assistant"):
+            raise InputRejected("continuing a prefill needs an assistant message last")
+        head = "".join(f"<tool> {t.name} {t.parameters}\n" for t in tools)
+        turns = [f"<{m.role}> {m.content}" + "".join(f" <call {c.name} {c.arguments}>" for c in m.tool_calls)
+                 for m in messages]
+        # A prefill is continued: its turn stays open, no new assistant turn is started.
+        text = head + ("\n".join(turns) if continue_final else "".join(t + "\n" for t in turns) + "<assistant>")
+        return self._prompt(text)
+
+    async def encode(self, model: str, text: str) -> Prompt:
+        return self._prompt(text)
+
+    @staticmethod
+    def _prompt(text: str) -> Prompt:
         ids = tuple(int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "big") % 32000
                     for w in text.split())
         return Prompt(text=text, token_ids=ids)
 
+    def parse_tool_calls(self, text: str, tools: ToolUse) -> tuple[str, tuple[ToolCall, ...]]:
+        if tools.choice in ("required", "function"):
+            return forced.parse_forced(text, tools)
+        raise InputRejected("tool_choice auto: the synthetic engine has no tool-call parser")
+
     async def generate(
         self, prompt: Prompt, options: SamplingOptions, request_id: str, priority: int
     ) -> AsyncIterator[Delta]:
-        digest = hashlib.sha256(prompt.text.encode()).digest()
-        count = min(options.max_tokens, self.output_tokens)
-        finish = "length" if count >= options.max_tokens else "stop"
+        if options.tools is not None and options.tools.choice == "auto":
+            raise InputRejected("tool_choice auto: the synthetic engine has no tool-call parser")
+        outputs = [self._output(prompt, options, i) for i in range(options.n)]
         self._held[request_id] = prompt.token_count
         try:
             if self.ttft_s:
                 await asyncio.sleep(self.ttft_s)
-            for i in range(count):
+            longest = max(len(words) for words, _, _ in outputs)
+            for step in range(longest):
                 if request_id in self._aborted:
-                    yield Delta("", 0, "abort")
+                    for i in range(options.n):
+                        yield Delta("", 0, "abort", index=i)
                     return
-                if i and self.tokens_per_second:
+                if step and self.tokens_per_second:
                     await asyncio.sleep(1.0 / self.tokens_per_second)
-                word = _WORDS[digest[i % len(digest)] % len(_WORDS)]
-                self._held[request_id] += 1
-                yield Delta(word if i == 0 else " " + word, 1, finish if i == count - 1 else None)
-            if count == 0:
-                yield Delta("", 0, finish)
+                for i, (words, finish, stop) in enumerate(outputs):
+                    if step >= len(words):
+                        continue
+                    self._held[request_id] += 1
+                    last = step == len(words) - 1
+                    yield Delta(words[step], 1, finish if last else None, index=i,
+                                stop_sequence=stop if last else None,
+                                logprobs=(self._logprob(words[step], options.logprobs),)
+                                if options.logprobs is not None else ())
+            for i, (words, finish, stop) in enumerate(outputs):
+                if not words:
+                    yield Delta("", 0, finish, index=i, stop_sequence=stop)
         finally:
             self._held.pop(request_id, None)
             self._aborted.discard(request_id)
+
+    def _output(self, prompt: Prompt, options: SamplingOptions, index: int) -> tuple[list[str], str, str | None]:
+        """Completion ``index``'s tokens (text pieces), finish reason and matched stop string."""
+        seed = prompt.text.encode() + (b"" if index == 0 else f"#{index}".encode())
+        digest = hashlib.sha256(seed).digest()
+        schema = self._schema(options)
+        if schema is not None:
+            pieces = [json.dumps(_instance(schema, digest), separators=(",", ":"))]
+        else:
+            count = min(options.max_tokens, self.output_tokens)
+            pieces = [(" " if i else "") + _WORDS[digest[i % len(digest)] % len(_WORDS)] for i in range(count)]
+        text, kept = "", []
+        for piece in pieces[:options.max_tokens]:
+            text += piece
+            hit = min(((text.find(s), s) for s in options.stop if s and s in text), default=None)
+            if hit is not None:  # as vLLM: the output ends before the stop string, which is not returned
+                cut = hit[0] - (len(text) - len(piece))
+                if cut > 0:
+                    kept.append(piece[:cut])
+                return kept, "stop", hit[1]
+            kept.append(piece)
+        finish = "length" if len(kept) >= options.max_tokens and schema is None else "stop"
+        return kept, finish, None
+
+    @staticmethod
+    def _schema(options: SamplingOptions) -> dict[str, Any] | None:
+        if options.tools is not None and options.tools.choice in ("required", "function"):
+            return forced.forced_schema(options.tools)
+        if options.structured is not None:
+            if options.structured.kind == "json_object":
+                return {"type": "object"}
+            return json.loads(options.structured.schema or "{}")
+        return None
+
+    @staticmethod
+    def _logprob(word: str, top: int) -> TokenLogprob:
+        """Each word is picked with probability 1/len(_WORDS): that is its true logprob, and every
+        other word is as likely."""
+        lp = -math.log(len(_WORDS))
+        return TokenLogprob(word, lp, tuple((w, lp) for w in _WORDS[:top]))
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._held:
@@ -96,3 +186,29 @@ class SyntheticEngine:
         used = sum(self._held.values())
         return EngineStats(running=len(self._held), waiting=0,
                            kv_cache_usage=min(1.0, used / self.kv_capacity_tokens))
+
+
+def _instance(schema: dict[str, Any], digest: bytes) -> Any:
+    """A minimal value of ``schema``: see the module docstring for what is and is not covered."""
+    if "enum" in schema:
+        return schema["enum"][0]
+    if "const" in schema:
+        return schema["const"]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if schema.get(key):
+            return _instance(schema[key][0], digest)
+    kind = schema.get("type", "object")
+    if isinstance(kind, list):
+        kind = kind[0]
+    if kind == "object":
+        props = schema.get("properties", {})
+        return {name: _instance(props.get(name, {}), digest) for name in schema.get("required", [])}
+    if kind == "array":
+        return [_instance(schema.get("items", {}), digest) for _ in range(schema.get("minItems", 0))]
+    if kind == "string":
+        return _WORDS[digest[0] % len(_WORDS)]
+    if kind in ("integer", "number"):
+        return digest[1]
+    if kind == "boolean":
+        return True
+    return None

@@ -18,7 +18,19 @@ import subprocess
 import sys
 from typing import Any, AsyncIterator, ClassVar, Mapping, Sequence
 
-from zerolayer.runtime.engine.base import ChatMessage, Delta, EngineStats, InputRejected, Prompt, SamplingOptions
+from zerolayer.runtime.engine import tools as forced
+from zerolayer.runtime.engine.base import (
+    ChatMessage,
+    Delta,
+    EngineStats,
+    InputRejected,
+    Prompt,
+    SamplingOptions,
+    TokenLogprob,
+    ToolCall,
+    ToolSpec,
+    ToolUse,
+)
 from zerolayer.runtime.errors import ConfigError, EngineError
 
 log = logging.getLogger(__name__)
@@ -224,9 +236,12 @@ class VllmEngine:
     kind = "vllm"
 
     def __init__(self, model_path: str, *, served_name: str | None = None, settings: VllmSettings | None = None,
-                 **knobs: Any) -> None:
+                 tool_parser: str | None = None, **knobs: Any) -> None:
         if settings is not None and knobs:
             raise TypeError("give settings or keyword settings, not both")
+        # vLLM's tool-call parser for tool_choice "auto" (vllm serve's --tool-call-parser, e.g. "hermes");
+        # None: "auto" is refused (400), forced choices work without one.
+        self.tool_parser = tool_parser
         self.model_path = model_path
         self.models = (served_name or os.path.basename(os.path.normpath(model_path)),)
         self.settings = settings if settings is not None else VllmSettings(**knobs)
@@ -318,52 +333,91 @@ class VllmEngine:
     def ready(self) -> bool:
         return self._llm is not None and not self._llm.errored
 
-    async def render(self, model: str, messages: Sequence[ChatMessage]) -> Prompt:
+    async def render(self, model: str, messages: Sequence[ChatMessage], *, tools: Sequence[ToolSpec] = (),
+                     continue_final: bool = False) -> Prompt:
         if self._tokenizer is None:
             raise EngineError("engine not started")
-        chat = [{"role": m.role, "content": m.content} for m in messages]
         tokenizer = self._tokenizer
+        if tools and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+            # A template that never reads ``tools`` would render the chat without them: the model would
+            # not know the tools exist. Said, not silently dropped.
+            raise InputRejected("tools: this model's chat template does not render tools")
+        if continue_final and (not messages or messages[-1].role != "assistant"):
+            raise InputRejected("continuing a prefill needs an assistant message last")
+        chat = [chat_message(m) for m in messages]
+        extra: dict[str, Any] = {"tools": [tool_schema(t) for t in tools]} if tools else {}
 
         def _render() -> Prompt:
-            text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(chat, add_generation_prompt=not continue_final,
+                                                 continue_final_message=continue_final, tokenize=False, **extra)
             ids = tokenizer.encode(text, add_special_tokens=False)
             return Prompt(text=text, token_ids=tuple(ids))
 
+        return await self._tokenize(_render, "chat template")
+
+    async def encode(self, model: str, text: str) -> Prompt:
+        if self._tokenizer is None:
+            raise EngineError("engine not started")
+        tokenizer = self._tokenizer
+
+        def _encode() -> Prompt:
+            # As vllm serve's /v1/completions: the tokenizer's own special tokens (BOS) are added.
+            return Prompt(text=text, token_ids=tuple(tokenizer.encode(text, add_special_tokens=True)))
+
+        return await self._tokenize(_encode, "tokenizer")
+
+    async def _tokenize(self, work: Any, what: str) -> Prompt:
         try:
-            return await asyncio.to_thread(_render)
+            return await asyncio.to_thread(work)
         except Exception as exc:  # jinja or tokenizer errors on odd input
-            if _is_template_error(exc):
+            if _is_template_error(exc) or isinstance(exc, ValueError):
                 # The template refused these messages (roles out of order, a system turn it does not
-                # take, ...): the client's mistake, not the engine's. Its text is the template's own.
-                raise InputRejected(f"the model's chat template refused the messages: {str(exc)[:200]}") from exc
-            raise EngineError(f"chat template failed: {exc}") from exc
+                # take, a prefill it cannot continue, ...): the client's mistake, not the engine's.
+                # transformers raises ValueError for what it checks itself (continue_final_message
+                # without a final assistant turn). Its text is the template's own.
+                raise InputRejected(f"the model's {what} refused the input: {str(exc)[:200]}") from exc
+            raise EngineError(f"{what} failed: {exc}") from exc
+
+    def parse_tool_calls(self, text: str, tools: ToolUse) -> tuple[str, tuple[ToolCall, ...]]:
+        if tools.choice in ("required", "function"):
+            return forced.parse_forced(text, tools)
+        if self.tool_parser is None:
+            raise InputRejected("tool_choice auto: this node runs no tool-call parser")
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.tool_parsers import ToolParserManager
+
+        request = ChatCompletionRequest(model=self.models[0], messages=[{"role": "user", "content": ""}],
+                                        tools=[tool_schema(t) for t in tools.tools], tool_choice="auto")
+        parser = ToolParserManager.get_tool_parser(self.tool_parser)(self._tokenizer, request.tools)
+        found = parser.extract_tool_calls(text, request)
+        if not found.tools_called:
+            return text, ()
+        calls = tuple(ToolCall(c.id or forced.call_id(), c.function.name, c.function.arguments)
+                      for c in found.tool_calls)
+        return found.content or "", calls
 
     async def generate(
         self, prompt: Prompt, options: SamplingOptions, request_id: str, priority: int
     ) -> AsyncIterator[Delta]:
         if self._llm is None:
             raise EngineError("engine not started")
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            max_tokens=options.max_tokens,
-            temperature=options.temperature,
-            top_p=options.top_p,
-            stop=list(options.stop) or None,
-            seed=options.seed,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        if options.tools is not None and options.tools.choice == "auto" and self.tool_parser is None:
+            raise InputRejected("tool_choice auto: this node runs no tool-call parser (give tool_choice "
+                                "required or a named function, which need none)")
+        params = sampling_params(options)
+        started = False
         try:
             async for out in self._llm.generate(
                 {"prompt_token_ids": list(prompt.token_ids)}, params, request_id=request_id, priority=priority
             ):
-                completion = out.outputs[0]
-                finish = completion.finish_reason if out.finished else None
-                yield Delta(completion.text, len(completion.token_ids), finish)
+                started = True
+                for completion in out.outputs:  # n > 1: each output is one completion's delta
+                    yield delta_of(completion, options.logprobs)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if not started and _client_error(exc):  # vLLM's input checks (a logit_bias token outside the vocabulary)
+                raise InputRejected(f"vLLM refused the request: {str(exc)[:200]}") from exc
             raise EngineError(f"vLLM request {request_id} failed: {exc}") from exc
 
     async def abort(self, request_id: str) -> None:
@@ -372,3 +426,99 @@ class VllmEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+
+def _client_error(exc: BaseException) -> bool:
+    """vLLM's verdict that the request is wrong (its ``VLLMClientError``s, or a ValueError from its checks)."""
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(exc, (ValueError, VLLMClientError))
+
+
+def chat_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as Hugging Face chat templates read it (tool-call arguments as objects, as vLLM passes them)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _json_object(c.arguments)}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _json_object(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def tool_schema(tool: ToolSpec) -> dict[str, Any]:
+    """A tool in the OpenAI shape chat templates and vLLM's parsers expect."""
+    import json
+
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": json.loads(tool.parameters)}}
+
+
+def sampling_params(options: SamplingOptions) -> Any:
+    """vLLM's ``SamplingParams`` for ``options``: every field honoured, streamed as deltas. A value
+    vLLM refuses (its own range checks) is the client's: :class:`InputRejected`."""
+    import json
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = None
+    if options.tools is not None and options.tools.choice in ("required", "function"):
+        structured = StructuredOutputsParams(json=forced.forced_schema(options.tools))
+    elif options.structured is not None:
+        if options.structured.kind == "json_object":
+            structured = StructuredOutputsParams(json_object=True)
+        else:
+            structured = StructuredOutputsParams(json=json.loads(options.structured.schema or "{}"))
+    try:
+        return SamplingParams(
+            n=options.n,
+            max_tokens=options.max_tokens,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            top_k=options.top_k if options.top_k is not None else 0,
+            presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            logit_bias=dict(options.logit_bias) or None,
+            logprobs=options.logprobs,
+            stop=list(options.stop) or None,
+            seed=options.seed,
+            structured_outputs=structured,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    except Exception as exc:
+        if not _client_error(exc):
+            raise
+        raise InputRejected(f"vLLM refused the sampling settings: {str(exc)[:200]}") from exc
+
+
+def delta_of(completion: Any, logprobs: int | None) -> Delta:
+    """One vLLM ``CompletionOutput`` (a delta) as a :class:`Delta`. ``stop_reason`` is the stop
+    string that ended it (an int is a stop token id, not a sequence the client gave)."""
+    stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+    return Delta(completion.text, len(completion.token_ids), completion.finish_reason, index=completion.index,
+                 stop_sequence=stop if completion.finish_reason == "stop" else None,
+                 logprobs=token_logprobs(completion, logprobs) if logprobs is not None else ())
+
+
+def token_logprobs(completion: Any, top: int) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-position ``{token id: Logprob}`` maps (the top ``top`` by rank, plus the sampled
+    token wherever it ranks) as one :class:`TokenLogprob` per sampled token."""
+    out = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs or ()):
+        sampled = position[token_id]
+        ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top),
+                        key=lambda lp: lp.rank)[:top]
+        out.append(TokenLogprob(sampled.decoded_token or "", float(sampled.logprob),
+                                tuple((lp.decoded_token or "", float(lp.logprob)) for lp in ranked)))
+    return tuple(out)
