@@ -111,6 +111,7 @@ class Call:
             max_tokens=int(body["max_tokens"]),
             model_hint=request_contract.model_hint or str(body["model"]),
             deadline_s=request_contract.deadline_s,
+            model=str(body["model"]),
         )
         self.failed: list[str] = []
         self.prefer: tuple[str, ...] = ()
@@ -118,19 +119,18 @@ class Call:
 
     def plan(self) -> Attempt:
         """The next attempt. Raises NoNodeAvailable when nowhere is usable."""
-        target = self.shared.router.choose(self.contract.session, failed=self.failed, prefer=self.prefer)
+        model = self.params.model or str(self.body["model"])
+        target = self.shared.router.choose(self.contract.session, failed=self.failed, prefer=self.prefer, model=model)
         headers = {
             **self.extra_headers,
-            **self.contract.headers(
-                model=str(self.body["model"]), model_hint=self.params.model_hint, deadline_s=self.params.deadline_s
-            ),
+            **self.contract.headers(model=model, model_hint=self.params.model_hint, deadline_s=self.params.deadline_s),
         }
         report = self.shared.take_latency_report(target.endpoint)
         if report:
             headers[contract.CLIENT_LATENCY] = report
         if self.streaming:
             headers["accept"] = "text/event-stream"
-        body = {**self.body, "max_tokens": self.params.max_tokens}
+        body = {**self.body, "model": model, "max_tokens": self.params.max_tokens}
         if self.streaming:
             body["stream"] = True
         return Attempt(target, target.endpoint + MESSAGES_PATH, headers, body, self.params.number)

@@ -43,9 +43,15 @@ class Node:
     admitting: bool = True
     heartbeat: float | None = None
     gpus: tuple[Mapping[str, Any], ...] = ()
+    models: tuple[str, ...] | None = None  # the models it serves; None: the source does not say
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         return self.heartbeat is None or now - self.heartbeat <= stale_after_s
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request for ``model`` may go here: a node that lists its models must list it;
+        one whose source does not say (a static list, an older map) is not ruled out."""
+        return model is None or self.models is None or model in self.models
 
 
 class NodeMap(Protocol):
@@ -102,11 +108,22 @@ def parse_time(value: object) -> float | None:
     return None
 
 
-def node_from_status(name: str, status: Mapping[str, Any]) -> Node | None:
+def model_names(value: object) -> tuple[str, ...] | None:
+    """Served model names from a list of names or of ``{"name": ...}`` entries (the CRD's
+    ``spec.models``); ``None`` when absent or unreadable."""
+    if not isinstance(value, list):
+        return None
+    names = [v if isinstance(v, str) else v.get("name") if isinstance(v, Mapping) else None for v in value]
+    return tuple(n for n in names if isinstance(n, str) and n) if all(isinstance(n, str) for n in names) else None
+
+
+def node_from_status(name: str, status: Mapping[str, Any], spec: Mapping[str, Any] | None = None) -> Node | None:
     """A :class:`Node` from an ``InferenceNode.status`` (or a runtime's own map document).
 
-    A node admits if ``status.admitting`` says so; without that field, if any GPU admits.
-    Returns ``None`` when the status has no endpoint yet (not routable).
+    A node admits if ``status.admitting`` says so; without that field, if any GPU admits. Its
+    models are ``status.models`` when published, else the names in ``spec.models`` (what the
+    node was told to serve), else unknown. Returns ``None`` when the status has no endpoint yet
+    (not routable).
     """
     endpoint = status.get("endpoint")
     if not endpoint:
@@ -116,18 +133,24 @@ def node_from_status(name: str, status: Mapping[str, Any]) -> Node | None:
     if admitting is None:
         admitting = any(bool(g.get("admitting", True)) for g in gpus) if gpus else True
     heartbeat = parse_time(status.get("heartbeat", status.get("lastHeartbeat")))
-    return Node(name=name, endpoint=normalise_endpoint(str(endpoint)), admitting=bool(admitting), heartbeat=heartbeat, gpus=gpus)
+    models = model_names(status.get("models"))
+    if models is None and spec is not None:
+        models = model_names(spec.get("models"))
+    return Node(name=name, endpoint=normalise_endpoint(str(endpoint)), admitting=bool(admitting), heartbeat=heartbeat,
+                gpus=gpus, models=models)
 
 
 def nodes_from_document(doc: object) -> list[Node]:
     """Nodes from a map document: a list of InferenceNode objects (``items``), a ``nodes`` list
     of flat node records, or one node's own record."""
     records: list[tuple[str, Mapping[str, Any]]] = []
+    specs: dict[str, Mapping[str, Any]] = {}
     if isinstance(doc, Mapping) and isinstance(doc.get("items"), list):
         for item in doc["items"]:
             if isinstance(item, Mapping):
                 name = str((item.get("metadata") or {}).get("name", ""))
                 records.append((name, item.get("status") or {}))
+                specs[name] = item.get("spec") or {}
     elif isinstance(doc, Mapping) and isinstance(doc.get("nodes"), list):
         for item in doc["nodes"]:
             if isinstance(item, Mapping):
@@ -136,7 +159,7 @@ def nodes_from_document(doc: object) -> list[Node]:
         records.append((str(doc.get("name") or doc.get("node") or doc.get("endpoint", "")), doc))
     out = []
     for name, status in records:
-        node = node_from_status(name, status)
+        node = node_from_status(name, status, specs.get(name))
         if node is not None:
             out.append(node)
     return out
@@ -243,7 +266,7 @@ class KubernetesNodeMap(_PollingMap):
 
     def _apply(self, kind: str, obj: Mapping[str, Any]) -> None:
         name = str((obj.get("metadata") or {}).get("name", ""))
-        node = node_from_status(name, obj.get("status") or {})
+        node = node_from_status(name, obj.get("status") or {}, obj.get("spec") or {})
         if kind == "DELETED" or node is None:
             self._objects.pop(name, None)
         else:

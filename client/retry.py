@@ -8,7 +8,7 @@ started:
 error                       what the next attempt does
 ==========================  ===============================================================
 GPU_OOM                     at once, ``max_tokens`` halved (stop when it would reach 0)
-DEADLINE_EXCEEDED           after jittered backoff, lighter model hint, doubled deadline
+DEADLINE_EXCEEDED           after jittered backoff, lighter model (body and hint), doubled deadline
 REFUSED_STREAM,             on a suggested alternative at once, else after ``retry-after``
 RESOURCE_EXHAUSTED,         (or jittered backoff); a ``retry-after`` longer than
 MODEL_UNAVAILABLE           ``max_delay_s`` is not waited for: the error is raised
@@ -46,6 +46,7 @@ class AttemptParams:
     max_tokens: int
     model_hint: str | None
     deadline_s: float | None
+    model: str | None = None  # the body's ``model``; the lighter-model fallback changes it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +150,12 @@ class RetryPolicy:
                 return None
             return RetryDecision(0.0, dataclasses.replace(nxt, max_tokens=half), avoid_same_node=False, reason="gpu_oom")
         if isinstance(error, errors.DeadlineExceeded):
+            # The lighter model is asked for in the body (what the runtime serves) and in the hint
+            # header (what routing reads before the body), never in the header alone.
             hint = self.lighter_models.get(attempt.model_hint or "", attempt.model_hint)
+            model = self.lighter_models.get(attempt.model or "", attempt.model)
             deadline = min(attempt.deadline_s * 2, MAX_DEADLINE_S) if attempt.deadline_s is not None else None
-            nxt = dataclasses.replace(nxt, model_hint=hint, deadline_s=deadline)
+            nxt = dataclasses.replace(nxt, model=model, model_hint=hint, deadline_s=deadline)
             return RetryDecision(self.backoff(attempt.number), nxt, avoid_same_node=False, reason="deadline")
         if error.should_retry is False:
             # The server says the same request cannot pass (e.g. request_too_large). The two cases

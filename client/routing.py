@@ -6,7 +6,8 @@
    or the configured fallback (matched by host and port; the map's own URL is used, so a
    suggestion can neither send the tenant's key to a stranger nor downgrade https);
 2. otherwise the session's node on the consistent-hash ring of nodes that are fresh
-   (heartbeat younger than ``stale_after_s``) and admitting;
+   (heartbeat younger than ``stale_after_s``), admitting and serving the request's model
+   (a node whose map entry lists its models must list that one; see :meth:`Node.serves`);
 3. if that node's circuit is open: the configured fallback endpoint, or without one the
    ring's next node;
 4. nodes this request already failed on are tried last (so a lone node is still retried
@@ -168,10 +169,11 @@ class Router:
                 )
             return found
 
-    def eligible(self) -> list[Node]:
-        """Nodes that are fresh and admitting, as the map says now."""
+    def eligible(self, model: str | None = None) -> list[Node]:
+        """Nodes that are fresh, admitting and serve ``model`` (None: any), as the map says now."""
         now = self._wall()
-        return [n for n in self.node_map.nodes() if n.admitting and n.fresh(now, self.stale_after_s)]
+        return [n for n in self.node_map.nodes()
+                if n.admitting and n.fresh(now, self.stale_after_s) and n.serves(model)]
 
     def _ring_for(self, nodes: Sequence[Node]) -> HashRing:
         key = tuple(sorted(n.name for n in nodes))
@@ -201,22 +203,24 @@ class Router:
                 return endpoint
         return None
 
-    def choose(self, session: str, *, failed: Sequence[str] = (), prefer: Sequence[str] = ()) -> Target:
-        """The endpoint for the next attempt of a request in ``session``.
+    def choose(self, session: str, *, failed: Sequence[str] = (), prefer: Sequence[str] = (),
+               model: str | None = None) -> Target:
+        """The endpoint for the next attempt of a request in ``session`` for ``model``.
 
         ``failed``: endpoints this request already failed on; ``prefer``: alternatives
         suggested by the last refusal. Raises :class:`NoNodeAvailable` if nothing is usable.
         """
         now = self._clock()
         tried = set(failed)
+        elsewhere = {n.endpoint for n in self.node_map.nodes() if not n.serves(model)}
         for suggested in prefer:
             endpoint = self.trusted(suggested)
-            if endpoint is None:
-                continue  # not a node we know: never send the tenant's key there
+            if endpoint is None or endpoint in elsewhere:
+                continue  # not a node we know (never send the tenant's key there), or not serving the model
             if endpoint not in tried and self.breaker(endpoint).available(now) and self._take(endpoint):
                 return Target(endpoint, None, "alternative")
 
-        nodes = {n.name: n for n in self.eligible()}
+        nodes = {n.name: n for n in self.eligible(model)}
         order = [nodes[name] for name in self._ring_for(list(nodes.values())).walk(session)]
         fallback_ok = self.fallback is not None and self.fallback not in tried
         for node in order:
@@ -237,7 +241,8 @@ class Router:
         with self._lock:
             opened = sorted(e for e, b in self._breakers.items() if b.state is not BreakerState.CLOSED)
         raise errors.NoNodeAvailable(
-            f"no node admits work: {len(self.node_map.nodes())} in the map, {len(nodes)} fresh and admitting, "
+            f"no node admits work: {len(self.node_map.nodes())} in the map, {len(nodes)} fresh and admitting "
+            f"serving {model or 'any model'}, "
             f"circuits open: {opened or 'none'}, failed for this request: {sorted(tried) or 'none'}, "
             f"fallback: {self.fallback or 'none'}"
         )

@@ -199,7 +199,7 @@ def test_deadline_exceeded_retries_lighter_with_double_deadline(peer):
     first, second = peer.requests
     assert (first.headers["x-zerolayer-model-hint"], first.headers["x-zerolayer-deadline-nanos"]) == ("big", "500000000")
     assert (second.headers["x-zerolayer-model-hint"], second.headers["x-zerolayer-deadline-nanos"]) == ("small", "1000000000")
-    assert second.json["model"] == "big"  # the hint changes, not the requested model
+    assert second.json["model"] == "small"  # the lighter model is asked for in the body, not only the hint
 
 
 def test_refusal_alternatives_are_followed(peers, fast_policy):

@@ -104,3 +104,12 @@ def test_budget_refills_with_traffic():
 def test_budget_rejects_nonsense():
     with pytest.raises(ValueError):
         RetryBudget(ratio=-1)
+
+
+def test_deadline_fallback_changes_the_requested_model_not_only_the_hint():
+    first = AttemptParams(number=1, max_tokens=8, model_hint="big", deadline_s=0.5, model="big")
+    d = policy().decide(errors.DeadlineExceeded("late"), first, streaming=False)
+    assert (d.next.model, d.next.model_hint) == ("small", "small")
+    pinned = AttemptParams(number=1, max_tokens=8, model_hint="pool-a", deadline_s=0.5, model="big")
+    d2 = policy().decide(errors.DeadlineExceeded("late"), pinned, streaming=False)
+    assert (d2.next.model, d2.next.model_hint) == ("small", "pool-a")  # a hint naming no model is kept

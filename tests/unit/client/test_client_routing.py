@@ -167,3 +167,34 @@ def test_http_node_map_polls_a_real_endpoint(peers):
         assert peer.requests[0].path == "/v1/gpu-map" and peer.requests[0].method == "GET"
     finally:
         node_map.close()
+
+
+def test_only_nodes_serving_the_model_are_chosen():
+    nodes = [Node("a", "http://a", models=("big",)), Node("b", "http://b", models=("small", "big")),
+             Node("c", "http://c")]  # c's source does not say: not ruled out
+    router, *_ = nodes_router(nodes)
+    assert {router.choose(f"s{i}", model="small").endpoint for i in range(60)} == {"http://b", "http://c"}
+    assert {router.choose(f"s{i}", model="big").endpoint for i in range(60)} == {"http://a", "http://b", "http://c"}
+    only = nodes_router([Node("a", "http://a", models=("big",))])[0]
+    with pytest.raises(errors.NoNodeAvailable, match="serving small"):
+        only.choose("s", model="small")
+
+
+def test_alternatives_not_serving_the_model_are_skipped():
+    nodes = [Node("a", "http://a", models=("m",)), Node("b", "http://b", models=("other",))]
+    router, *_ = nodes_router(nodes)
+    target = router.choose("s", prefer=["http://b"], model="m")
+    assert (target.endpoint, target.via) == ("http://a", "ring")
+
+
+def test_models_come_from_the_status_or_the_spec():
+    doc = {"items": [
+        {"metadata": {"name": "n1"}, "spec": {"models": [{"name": "tiny", "source": {"path": "/m"}}]},
+         "status": {"endpoint": "http://n1:8000"}},
+        {"metadata": {"name": "n2"}, "spec": {"models": [{"name": "tiny"}]},
+         "status": {"endpoint": "http://n2:8000", "models": ["big", "tiny-lora"]}},
+        {"metadata": {"name": "n3"}, "status": {"endpoint": "http://n3:8000"}},
+    ]}
+    assert [n.models for n in nodes_from_document(doc)] == [("tiny",), ("big", "tiny-lora"), None]
+    flat = nodes_from_document({"nodes": [{"name": "n4", "endpoint": "http://n4", "models": ["x"]}]})
+    assert flat[0].models == ("x",)
