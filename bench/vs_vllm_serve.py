@@ -1,0 +1,256 @@
+"""zerolayer against `vllm serve` and against LiteLLM's proxy in front of it, driven by `vllm bench serve`.
+
+Same model (the tiny generated Llama, random weights: ``python -m zerolayer.runtime.tinymodel``),
+same engine settings (max_model_len 1024, max_num_seqs 16, a 64 MiB KV cache, eager, float32,
+vLLM's priority scheduling policy, which zerolayer always sets), same client, three stacks:
+
+  vllm-serve   vLLM's own OpenAI server (``vllm serve`` with ``--api-key``);
+  zerolayer    ``zerolayer runtime`` with the vLLM engine in its process: API-key auth, a tenant
+               with token/request/concurrency quotas checked on every request, two-stage
+               admission by the micro-scheduler and token metering (``--audit-spool`` counters
+               and the in-process journal);
+  litellm      LiteLLM's proxy (master key auth) forwarding to the ``vllm serve`` above: the
+               middle layer zerolayer replaces. LiteLLM lives in its own virtual environment
+               (``--litellm``, default ``~/.cache/zerolayer/bench-venvs/litellm``) so it cannot
+               change this environment's packages.
+
+All three run at once; for each concurrency the client runs against each stack back to back,
+so shared-CPU noise hits them alike. Client: ``vllm bench serve --backend openai-chat
+--endpoint /v1/chat/completions --dataset-name random --random-input-len 64
+--random-output-len 32`` (streaming, the key as ``OPENAI_API_KEY``). Server CPU per request
+is the user+system time of each stack's whole process tree (API server and engine core; for
+LiteLLM, LiteLLM plus the vllm serve behind it) over the run ÷ completed requests.
+
+    python bench/vs_vllm_serve.py [--concurrency 1 4 16] [--prompts 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+import benchlib
+
+MODEL_DIR = benchlib.HERE.parent / ".models" / "tiny-llama"
+SERVED = "tiny-llama"
+ENGINE = {"max_model_len": 1024, "max_num_seqs": 16, "kv_cache_memory_bytes": 64 * 1024 * 1024,
+          "enforce_eager": True, "dtype": "float32"}
+VLLM_CLI = [sys.executable, str(benchlib.HERE / "vllm_cli.py")]
+DEFAULT_LITELLM = pathlib.Path(os.environ.get("ZEROLAYER_CACHE", pathlib.Path.home() / ".cache" / "zerolayer"),
+                               "bench-venvs", "litellm")
+
+
+def vllm_serve_cmd(port: int) -> list[str]:
+    return [*VLLM_CLI, "serve", str(MODEL_DIR), "--served-model-name", SERVED, "--host", "127.0.0.1",
+            "--port", str(port), "--api-key", benchlib.KEY, "--max-model-len", str(ENGINE["max_model_len"]),
+            "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--kv-cache-memory-bytes",
+            str(ENGINE["kv_cache_memory_bytes"]), "--enforce-eager", "--dtype", "float32",
+            "--scheduling-policy", "priority", "--disable-uvicorn-access-log"]
+
+
+def zerolayer_cmd(port: int, spool: str) -> tuple[list[str], str]:
+    engine = {"kind": "vllm", "model_path": str(MODEL_DIR), "served_name": SERVED, **ENGINE}
+    config = benchlib.write_config(benchlib.runtime_config(port, engine))
+    return benchlib.runtime_cmd(config, "--audit-spool", spool, "--audit-journal"), config
+
+
+def litellm_config(upstream_port: int) -> str:
+    config = {
+        "model_list": [{"model_name": SERVED, "litellm_params": {
+            "model": f"openai/{SERVED}", "api_base": f"http://127.0.0.1:{upstream_port}/v1",
+            "api_key": benchlib.KEY}}],
+        "general_settings": {"master_key": benchlib.KEY},
+        "litellm_settings": {"drop_params": True, "telemetry": False},
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        json.dump(config, f)
+    return f.name
+
+
+def wait_ready(port: int, timeout: float = 300) -> None:
+    """Until GET /v1/models answers 200 with the key (the engine is loaded, not just the port bound)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"authorization": f"Bearer {benchlib.KEY}"})
+            if r.status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"port {port}: /v1/models never answered 200")
+
+
+def bench_serve(port: int, concurrency: int, prompts: int, pid: int, pids_extra: int | None = None) -> dict:
+    """One ``vllm bench serve`` run; its saved result JSON plus the server CPU per request."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [*VLLM_CLI, "bench", "serve", "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{port}",
+               "--endpoint", "/v1/chat/completions", "--model", SERVED, "--tokenizer", str(MODEL_DIR),
+               "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "32",
+               "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--num-warmups",
+               str(min(concurrency, 4)), "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
+               "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", tmp, "--result-filename", "r.json"]
+        meters = [benchlib.CpuMeter(p) for p in (pid, pids_extra) if p]
+        env = {**os.environ, "OPENAI_API_KEY": benchlib.KEY}
+        # The client imports vLLM for a while before it sends anything: start the meters late enough not to
+        # matter (the servers are idle meanwhile) but before the first request.
+        for m in meters:
+            m.start()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp, timeout=1800)
+        cpu = sum(m.stop() for m in meters)
+        if done.returncode != 0 or not pathlib.Path(tmp, "r.json").exists():
+            raise RuntimeError(f"vllm bench serve failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        result = json.loads(pathlib.Path(tmp, "r.json").read_text())
+    keep = ("completed", "failed", "duration", "total_output_tokens", "request_throughput", "output_throughput",
+            "median_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p50_tpot_ms",
+            "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms")
+    out = {k: result[k] for k in keep if k in result}
+    out["server_cpu_s"] = cpu
+    out["cpu_ms_per_req"] = cpu * 1000 / out["completed"] if out.get("completed") else None
+    out["command"] = " ".join(["vllm", *cmd[len(VLLM_CLI):]]).replace(str(MODEL_DIR), "MODEL").replace(
+        f"--result-dir {tmp} ", "")
+    return out
+
+
+@contextlib.contextmanager
+def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path) -> Iterator[dict[str, tuple[int, int, int | None]]]:
+    """Start every stack; yields name -> (port, pid to meter, second pid to meter or None)."""
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as spool:
+        vport, zport = benchlib.free_port(), benchlib.free_port()
+        vproc = stack.enter_context(benchlib.server(vllm_serve_cmd(vport), vport, timeout=600,
+                                                    log=logs / "vllm-serve.log"))
+        wait_ready(vport)
+        zcmd, zconfig = zerolayer_cmd(zport, spool)
+        stack.callback(os.unlink, zconfig)
+        zproc = stack.enter_context(benchlib.server(zcmd, zport, env={"BENCH_KEY": benchlib.KEY}, timeout=600,
+                                                    log=logs / "zerolayer.log"))
+        wait_ready(zport)
+        found = {"vllm-serve": (vport, vproc.pid, None), "zerolayer": (zport, zproc.pid, None)}
+        if litellm_venv is not None:
+            lport = benchlib.free_port()
+            lconfig = litellm_config(vport)
+            stack.callback(os.unlink, lconfig)
+            lcmd = [str(litellm_venv / "bin" / "litellm"), "--config", lconfig, "--host", "127.0.0.1",
+                    "--port", str(lport), "--num_workers", "1"]
+            lenv = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}
+            lproc = stack.enter_context(benchlib.server(lcmd, lport, env=lenv, timeout=600, log=logs / "litellm.log"))
+            wait_ready(lport)
+            found["litellm"] = (lport, lproc.pid, vproc.pid)
+        yield found
+
+
+def report(results: dict[int, dict[str, dict]], args: argparse.Namespace) -> str:
+    rev = os.environ.get("ZEROLAYER_BENCH_REV", "working tree")
+    lines = [
+        f"zerolayer vs vllm serve vs LiteLLM proxy -> vllm serve; tiny random-weight Llama on vLLM {vllm_version()} "
+        f"(CPU), random dataset 64 in / 32 out tokens, {args.prompts} prompts per point, streaming "
+        f"/v1/chat/completions; runtime at {rev}",
+        benchlib.machine_line(),
+        "",
+        f"{'conc':>4} {'stack':<11} {'done':>5} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+        f"{'CPU ms/req':>10}",
+    ]
+    for c, rows in results.items():
+        for name, r in rows.items():
+            lines.append(f"{c:>4} {name:<11} {r['completed']:>5} {r['output_throughput']:9.1f} "
+                         f"{r['p50_ttft_ms']:9.1f} {r['p99_ttft_ms']:9.1f} {r['p50_tpot_ms']:9.1f} "
+                         f"{r['cpu_ms_per_req']:10.1f}")
+    lines += ["", "ratios (out tok/s: >1 = zerolayer faster; TTFT and CPU/req: <1 = zerolayer lower):",
+              f"{'conc':>4} {'against':<11} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+              f"{'CPU/req':>9}"]
+    for c, rows in results.items():
+        z = rows["zerolayer"]
+        for other in ("vllm-serve", "litellm"):
+            if other not in rows:
+                continue
+            o = rows[other]
+            lines.append(f"{c:>4} {other:<11} {benchlib.ratio(z['output_throughput'], o['output_throughput']):>9} "
+                         f"{benchlib.ratio(z['p50_ttft_ms'], o['p50_ttft_ms']):>9} "
+                         f"{benchlib.ratio(z['p99_ttft_ms'], o['p99_ttft_ms']):>9} "
+                         f"{benchlib.ratio(z['p50_tpot_ms'], o['p50_tpot_ms']):>9} "
+                         f"{benchlib.ratio(z['cpu_ms_per_req'], o['cpu_ms_per_req']):>9}")
+    lines += ["", "goals (issue 14): vs vllm-serve out tok/s >= 1.00x and TTFT <= 1.00x at every concurrency; "
+                  "vs litellm out tok/s >= 1.50x and TTFT p99 <= 0.50x.",
+              "", "client command (per point; the key in OPENAI_API_KEY):",
+              f"  {next(iter(next(iter(results.values())).values()))['command']}"]
+    return "\n".join(lines)
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except ImportError:
+        return "?"
+
+
+def plot(results: dict[int, dict[str, dict]], path: pathlib.Path) -> None:
+    plt = benchlib.pyplot()
+    if plt is None:
+        return
+    conc = list(results)
+    names = list(next(iter(results.values())))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for key, ax, label in (("output_throughput", axes[0], "output tokens/s"),
+                           ("p50_ttft_ms", axes[1], "TTFT p50 (ms)"), ("p99_ttft_ms", axes[2], "TTFT p99 (ms)")):
+        for name in names:
+            ax.plot(conc, [results[c][name][key] for c in conc], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.set_xlabel("client concurrency")
+        ax.set_ylabel(label)
+    axes[0].legend()
+    fig.suptitle("tiny Llama on vLLM (CPU, 2 shared cores): zerolayer vs vllm serve vs LiteLLM -> vllm serve")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per concurrency and stack")
+    parser.add_argument("--litellm", default=str(DEFAULT_LITELLM),
+                        help="LiteLLM's virtual environment ('' to skip LiteLLM)")
+    parser.add_argument("--name", default="vs_vllm_serve")
+    args = parser.parse_args()
+    from zerolayer.runtime import tinymodel
+
+    tinymodel.generate(MODEL_DIR)
+    venv = pathlib.Path(args.litellm) if args.litellm else None
+    if venv is not None and not (venv / "bin" / "litellm").exists():
+        parser.error(f"no LiteLLM in {venv}: python3 -m venv {venv} && {venv}/bin/pip install 'litellm[proxy]'")
+    results: dict[int, dict[str, dict]] = {}
+    with tempfile.TemporaryDirectory() as logs, stacks(venv, pathlib.Path(logs)) as found:
+        try:
+            for c in args.concurrency:
+                results[c] = {}
+                for name, (port, pid, extra) in found.items():
+                    results[c][name] = bench_serve(port, c, args.prompts, pid, extra)
+                    r = results[c][name]
+                    print(f"c={c} {name}: {r['output_throughput']:.1f} tok/s, TTFT p50 {r['p50_ttft_ms']:.1f} ms",
+                          file=sys.stderr, flush=True)
+        except Exception:
+            for log in pathlib.Path(logs).glob("*.log"):
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+            raise
+    text = report(results, args)
+    print(text)
+    benchlib.save(args.name, text, {"results": results, "command": benchlib.bench_argv(),
+                                    "runtime_rev": os.environ.get("ZEROLAYER_BENCH_REV", "working tree")})
+    plot(results, benchlib.RESULTS / f"{args.name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
