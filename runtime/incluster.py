@@ -4,13 +4,17 @@ the operator publishes say who.
 Pure builders turn API objects into the same config mapping the standalone file uses
 (:func:`config_from_inferencenode`) and into tenants (:func:`tenants_from_quotas`).
 :class:`KubeReader` is the only place this mode calls the Kubernetes API (blocking client,
-always run in a thread). :class:`TenantSync` re-reads TenantQuotas and the one Secret of key
-hashes and applies changes to a running server without a restart (``RuntimeServer.replace_tenants``).
+always run in a thread). :class:`TenantSync` watches TenantQuotas and the one Secret of key
+hashes and applies changes to a running server without a restart (``RuntimeServer.replace_tenants``);
+:class:`NodeSpecSync` watches this node's own InferenceNode. Both use
+:class:`zerolayer.kubewatch.WatchLoop`: one LIST, then a watch resumed from its last
+resourceVersion (LIST again only after 410 Gone), so an idle runtime makes no reads at all.
 
 Runtimes never read tenants' API-key Secrets: the operator reads each one and publishes only
 SHA-256 hashes into one Secret per fleet, ``zl-tenant-keys`` in the runtime namespace (one data
-entry per TenantQuota, see ``operator/manifests.py`` ``build_tenant_key_entry``). A sync is two
-reads whatever the number of tenants, and a Secret that cannot be read costs its own tenant only.
+entry per TenantQuota, see ``operator/manifests.py`` ``build_tenant_key_entry``). That Secret is
+watched by name (a ``metadata.name`` field selector, which RBAC authorises by ``resourceNames``),
+and a tenant's unreadable Secret costs that tenant only.
 """
 
 from __future__ import annotations
@@ -261,6 +265,11 @@ class KubeReader:
         self._custom = client.CustomObjectsApi(api)
         self._core = client.CoreV1Api(api)
 
+    @property
+    def custom_api(self) -> Any:
+        """The ``CustomObjectsApi`` on this reader's configuration (for the fleet quota claims)."""
+        return self._custom
+
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
@@ -288,19 +297,73 @@ class KubeReader:
         found = self._call(f"read Secret {namespace}/{name}", self._core.read_namespaced_secret, name, namespace)
         return published_entries({"data": dict(found.data or {})} if found is not None else None)
 
+    # Watches (kubewatch.WatchLoop: LIST once, then WATCH resumed from the last resourceVersion).
+    def watch_tenant_quotas(self, on_change: Callable[[], None], *, retry_s: float = 2.0) -> Any:
+        from zerolayer.kubewatch import WatchLoop
 
-class _Periodic(abc.ABC):
-    """A background ``run()`` task on the running loop, started once and cancelled on stop."""
+        return WatchLoop(self._custom.list_cluster_custom_object, GROUP, VERSION, "tenantquotas",
+                         name="tenantquotas", on_change=on_change, retry_s=retry_s)
+
+    def watch_tenant_keys(self, namespace: str, on_change: Callable[[], None], *, name: str = TENANT_KEYS_SECRET,
+                          retry_s: float = 2.0) -> Any:
+        from zerolayer.kubewatch import WatchLoop
+
+        return WatchLoop(self._core.list_namespaced_secret, namespace, name=f"secret-{name}",
+                         field_selector=f"metadata.name={name}", on_change=on_change, retry_s=retry_s,
+                         api_client=self._core.api_client)
+
+    def watch_inference_node(self, node: str, on_change: Callable[[], None], *, retry_s: float = 2.0) -> Any:
+        from zerolayer.kubewatch import WatchLoop
+
+        return WatchLoop(self._custom.list_cluster_custom_object, GROUP, VERSION, "inferencenodes",
+                         name=f"inferencenode-{node}", field_selector=f"metadata.name={node}",
+                         on_change=on_change, retry_s=retry_s)
+
+
+class _Watching(abc.ABC):
+    """A background task on the running loop that owns some :class:`~zerolayer.kubewatch.WatchLoop`
+    threads: their ``on_change`` marks the task dirty (thread-safe), the task re-derives its state
+    on the event loop. Several events in a burst cost one recomputation. Started once, stopped
+    (watch threads included) on :meth:`stop`."""
 
     _task: "asyncio.Task[None] | None" = None
+    _loop: "asyncio.AbstractEventLoop | None" = None
+    _dirty: "asyncio.Event | None" = None
+    watches: list[Any]
 
     @abc.abstractmethod
-    async def run(self) -> None:
-        """The loop itself; subclasses say what one period does."""
+    def open_watches(self) -> list[Any]:
+        """Build (not start) the WatchLoops; their ``on_change`` must be :meth:`_mark`."""
+
+    @abc.abstractmethod
+    async def on_change(self) -> None:
+        """Re-derive state from the watches' caches (runs on the event loop)."""
+
+    def _mark(self) -> None:
+        if self._loop is not None and self._dirty is not None:
+            self._loop.call_soon_threadsafe(self._dirty.set)
 
     def start(self):  # type: ignore[no-untyped-def]
-        self._task = asyncio.get_running_loop().create_task(self.run())
+        self._loop = asyncio.get_running_loop()
+        self._dirty = asyncio.Event()
+        self.watches = self.open_watches()
+        for watch in self.watches:
+            watch.start()
+        self._task = self._loop.create_task(self.run())
         return self
+
+    async def run(self) -> None:
+        assert self._dirty is not None
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            try:
+                await self.on_change()
+            except Exception as exc:  # noqa: BLE001 - a dead task would stop revocations silently
+                self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        log.exception("%s failed (keeping the current state)", type(self).__name__)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -309,16 +372,23 @@ class _Periodic(abc.ABC):
                 await self._task
             except asyncio.CancelledError:
                 pass
+        for watch in getattr(self, "watches", []):
+            await asyncio.to_thread(watch.stop)
 
 
-class TenantSync(_Periodic):
+class TenantSync(_Watching):
     """Keeps a running server's tenants equal to the cluster's TenantQuotas and published key hashes.
 
-    ``reader`` needs ``tenant_quotas()`` and ``tenant_keys(namespace)`` (a :class:`KubeReader`);
-    ``apply`` receives the new tenant list when it changed. One sync costs two reads however
-    many tenants there are. ``problems`` says which TenantQuotas are not served and why;
-    ``errors`` counts failed syncs (any exception: the loop never dies), and ``registry``, when
-    given, exports both (``zerolayer_tenant_sync_errors_total``, ``zerolayer_tenant_refused``).
+    ``reader`` needs ``tenant_quotas()`` and ``tenant_keys(namespace)`` for :meth:`sync_once` (one
+    LIST and one GET, used once before serving), and ``watch_tenant_quotas`` /
+    ``watch_tenant_keys`` for :meth:`start` (a :class:`KubeReader`). After start nothing is polled:
+    a TenantQuota or key-hash change arrives as a watch event and is applied within one event-loop
+    turn; status-only updates (usage, claims) re-derive the same fingerprint and apply nothing.
+    ``apply`` receives the new tenant list when it changed. ``retry_s`` (the CLI's
+    ``--tenant-sync-seconds``) is how long a failed watch waits before it tries again.
+    ``problems`` says which TenantQuotas are not served and why; ``errors`` counts failed reads
+    and failed watch requests, and ``registry``, when given, exports both
+    (``zerolayer_tenant_sync_errors_total``, ``zerolayer_tenant_refused``).
     """
 
     def __init__(self, reader: Any, apply: Callable[[list[Tenant]], None], *, namespace: str,
@@ -326,20 +396,36 @@ class TenantSync(_Periodic):
         self.reader = reader
         self.apply = apply
         self.namespace = namespace
-        self.interval_s = interval_s
+        self.retry_s = interval_s
         self._last: str | None = None
-        self.errors = 0
+        self._errors = 0
         self.problems: dict[str, str] = {}
         self._metrics = _SyncMetrics(registry) if registry is not None else None
+        self._quotas: Any = None
+        self._keys: Any = None
+        self._watch_errors_seen = 0
+
+    @property
+    def errors(self) -> int:
+        return self._errors + sum(w.counters.errors for w in getattr(self, "watches", []))
 
     def read(self) -> TenantView:
         """One blocking read of the quotas and the published key hashes."""
         quotas = self.reader.tenant_quotas()
         return tenants_from_quotas(quotas, self.reader.tenant_keys(self.namespace))
 
-    async def sync_once(self) -> bool:
-        """Read and apply if changed. Returns True when tenants were replaced."""
-        view = await asyncio.to_thread(self.read)
+    def view_from_watches(self) -> TenantView | None:
+        """The tenants the watches' caches say; None until both have listed once."""
+        if self._quotas is None or self._keys is None:
+            return None
+        if not (self._quotas.started.is_set() and self._keys.started.is_set()):
+            return None
+        secrets = list(self._keys.objects.values())
+        published = published_entries(secrets[0] if secrets else None)
+        return tenants_from_quotas(list(self._quotas.objects.values()), published)
+
+    def use(self, view: TenantView) -> bool:
+        """Apply ``view`` if it differs from what was applied last. True when tenants were replaced."""
         for quota, why in sorted(view.problems.items()):
             if self.problems.get(quota) != why:
                 log.warning("TenantQuota %s not served: %s", quota, why)
@@ -354,9 +440,13 @@ class TenantSync(_Periodic):
         log.info("tenants from the cluster: %s", ", ".join(sorted(t.name for t in view.tenants)) or "none")
         return True
 
+    async def sync_once(self) -> bool:
+        """Read (LIST + GET) and apply if changed. Returns True when tenants were replaced."""
+        return self.use(await asyncio.to_thread(self.read))
+
     async def first_sync(self) -> bool:
         """The sync before serving. A failure is logged and counted, not raised: the runtime then
-        starts with no tenants (every key refused) and :meth:`run` keeps trying."""
+        starts with no tenants (every key refused) and the watches started by :meth:`start` keep trying."""
         try:
             await self.sync_once()
             return True
@@ -364,22 +454,31 @@ class TenantSync(_Periodic):
             self._failed(exc)
             return False
 
+    def open_watches(self) -> list[Any]:
+        self._quotas = self.reader.watch_tenant_quotas(self._mark, retry_s=self.retry_s)
+        self._keys = self.reader.watch_tenant_keys(self.namespace, self._mark, retry_s=self.retry_s)
+        return [self._quotas, self._keys]
+
+    async def on_change(self) -> None:
+        self._count_watch_errors()
+        view = self.view_from_watches()
+        if view is not None:
+            self.use(view)
+
+    def _count_watch_errors(self) -> None:
+        total = sum(w.counters.errors for w in self.watches)
+        if self._metrics is not None and total > self._watch_errors_seen:
+            self._metrics.errors.labels("read").inc(total - self._watch_errors_seen)
+        self._watch_errors_seen = total
+
     def _failed(self, exc: BaseException) -> None:
-        self.errors += 1
+        self._errors += 1
         if self._metrics is not None:
             self._metrics.errors.labels("read" if isinstance(exc, ClusterReadError) else "unexpected").inc()
         if isinstance(exc, ClusterReadError):
             log.warning("tenant sync failed (keeping the current tenants): %s", exc)
         else:
             log.exception("tenant sync failed unexpectedly (keeping the current tenants)")
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.sync_once()
-            except Exception as exc:  # noqa: BLE001 - a dead loop would stop revocations silently
-                self._failed(exc)
-            await asyncio.sleep(self.interval_s)
 
 
 class _SyncMetrics:
@@ -405,13 +504,16 @@ LIVE_KEYS = ("scheduler",)
 RESTART_KEYS = ("engine", "gpu", "listen", "tls", "telemetry", "limits")
 
 
-class NodeSpecSync(_Periodic):
+class NodeSpecSync(_Watching):
     """Applies edits of this node's InferenceNode to the running runtime.
 
     Scheduler settings (shedding marks, preemption) apply live through ``apply_scheduler``;
     a change that needs a new process (engine, model, port, sampling period, limits) is
     logged once per new spec and reported through ``restart_needed`` — in a cluster the
-    runtime's pod is the unit of that change.
+    runtime's pod is the unit of that change. After :meth:`start` the object is watched by
+    name (``reader.watch_inference_node``); the gossip heartbeats in its status arrive as
+    events too and are skipped by ``metadata.generation`` (spec edits bump it, status does not).
+    ``interval_s`` is how long a failed watch waits before it tries again.
     """
 
     def __init__(self, reader: Any, node: str, base: Mapping[str, Any] | None,
@@ -420,25 +522,29 @@ class NodeSpecSync(_Periodic):
         self.node = node
         self.base = dict(base or {})
         self.apply_scheduler = apply_scheduler
-        self.interval_s = interval_s
+        self.retry_s = interval_s
         self._applied: dict[str, Any] | None = None
+        self._generation: Any = None
         self.restart_needed: list[str] = []
         self.errors = 0
+        self._watch: Any = None
+        self._refused_generation: Any = None
 
     def prime(self, inode: Mapping[str, Any]) -> None:
         """Remember the spec the process was started from."""
         self._applied = config_from_inferencenode(inode, self.base)
+        self._generation = (inode.get("metadata") or {}).get("generation")
 
-    async def sync_once(self) -> bool:
-        """Read the InferenceNode; True when scheduler settings were applied."""
-        inode = await asyncio.to_thread(self.reader.inference_node, self.node)
-        if inode is None:
-            log.warning("InferenceNode %s not found; keeping the current settings", self.node)
-            return False
+    def use(self, inode: Mapping[str, Any]) -> bool:
+        """Apply what ``inode`` changed; True when scheduler settings were applied."""
+        generation = (inode.get("metadata") or {}).get("generation")
+        if generation is not None and self._applied is not None and generation in (self._generation,
+                                                                                   self._refused_generation):
+            return False  # a status update (heartbeat): the spec is the one applied (or already refused)
         wanted = config_from_inferencenode(inode, self.base)
         previous = self._applied
         if previous is None:
-            self._applied = wanted
+            self._applied, self._generation = wanted, generation
             return False
         stale = [k for k in RESTART_KEYS if wanted.get(k) != previous.get(k)]
         if stale and not set(stale) <= set(self.restart_needed):
@@ -447,21 +553,59 @@ class NodeSpecSync(_Periodic):
                         self.node, ", ".join(stale))
         applied = False
         if wanted.get("scheduler") != previous.get("scheduler"):
-            self.apply_scheduler(wanted.get("scheduler") or {})  # raises on invalid marks: nothing recorded
+            try:
+                self.apply_scheduler(wanted.get("scheduler") or {})
+            except ValueError:  # invalid marks: nothing applied, and not tried again for this generation
+                self._refused_generation = generation
+                raise
             log.info("InferenceNode %s: scheduler settings applied live: %s", self.node, wanted.get("scheduler"))
             applied = True
-        self._applied = wanted
+        self._applied, self._generation = wanted, generation
         return applied
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.sync_once()
-            except (ClusterReadError, ConfigError, ValueError) as exc:  # SchedulerConfigError is a ValueError
-                self.errors += 1
-                log.warning("InferenceNode sync failed (keeping the current settings): %s", exc)
-            except Exception:  # noqa: BLE001 - the loop must outlive anything one object can cause
-                self.errors += 1
-                log.exception("InferenceNode sync failed unexpectedly (keeping the current settings)")
+    async def sync_once(self) -> bool:
+        """Read the InferenceNode (one GET) and :meth:`use` it."""
+        inode = await asyncio.to_thread(self.reader.inference_node, self.node)
+        if inode is None:
+            log.warning("InferenceNode %s not found; keeping the current settings", self.node)
+            return False
+        return self.use(inode)
 
+    def open_watches(self) -> list[Any]:
+        self._watch = self.reader.watch_inference_node(self.node, self._mark, retry_s=self.retry_s)
+        return [self._watch]
+
+    async def on_change(self) -> None:
+        objects = list(self._watch.objects.values())
+        if not objects:
+            if self._watch.started.is_set():
+                log.warning("InferenceNode %s not found; keeping the current settings", self.node)
+            return
+        self.use(objects[0])
+
+    def _failed(self, exc: BaseException) -> None:
+        self.errors += 1
+        if isinstance(exc, (ClusterReadError, ConfigError, ValueError)):  # SchedulerConfigError is a ValueError
+            log.warning("InferenceNode sync failed (keeping the current settings): %s", exc)
+        else:
+            log.exception("InferenceNode sync failed unexpectedly (keeping the current settings)")
+
+
+# --------------------------------------------------------------------------- fleet-wide quotas
+def attach_fleet_quota(server: Any, reader: KubeReader, node: str, *, settings: Any = None) -> Any:
+    """Make ``server`` enforce tenants' limits across the fleet (docs/fleet-scale.md); returns the
+    claim thread (:class:`zerolayer.runtime.fleetquota.FleetQuotaSync`), not started.
+
+    The server's scheduler must be a :class:`~zerolayer.runtime.scheduler.fleet.FleetQuotaScheduler`
+    (same Scheduler contract), built by the composition root (``compose(..., fleet_quota=True)``).
+    ``start()`` the thread once the event loop runs and ``stop()`` it at exit.
+    """
+    from zerolayer.runtime.fleetquota import ClaimApi, FleetQuotaSettings, FleetQuotaSync
+    from zerolayer.runtime.scheduler.fleet import FleetQuotaScheduler
+
+    fleet = server.scheduler
+    if not isinstance(fleet, FleetQuotaScheduler):
+        raise ConfigError("fleet quotas need the server built with a FleetQuotaScheduler "
+                          "(zerolayer.runtime.compose.compose(..., fleet_quota=True))")
+    return FleetQuotaSync(ClaimApi(reader.custom_api), fleet, node,
+                          settings=settings or FleetQuotaSettings(window_s=fleet.window_s))

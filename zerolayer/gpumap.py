@@ -28,7 +28,6 @@ import datetime
 import hashlib
 import json
 import logging
-import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -298,40 +297,49 @@ def load_custom_objects_api(kubeconfig: str | None = None) -> Any:
 
 
 class GpuMapWatcher:
-    """Lists and watches every ``InferenceNode`` in a daemon thread; :meth:`snapshot` never blocks.
+    """Lists and watches ``InferenceNode`` objects in a daemon thread; :meth:`snapshot` never blocks.
 
-    The watch relists after it ends or fails (``retry_s`` later); the last objects are kept
-    meanwhile, so nodes go stale by their own heartbeats rather than vanishing. ``on_change``
-    (optional) is called in the watcher thread after every event. The snapshot is recomputed
-    at the time it is asked for, so a node ages into staleness with no event at all.
+    Built on :class:`zerolayer.kubewatch.WatchLoop`: one LIST, then one watch resumed from its last
+    resourceVersion whenever the server ends it (every ``watch_timeout_s``); LIST again only after
+    410 Gone. After a failure it tries again ``retry_s`` later; the last objects are kept
+    meanwhile, so nodes go stale by their own heartbeats rather than vanishing. ``label_selector``
+    narrows what is watched to the nodes a reader needs (a runtime passes its pool's label when
+    the fleet is split into pools; default: every node). ``on_change`` (optional) is called in the
+    watcher thread after every event. The snapshot is recomputed at the time it is asked for, so a
+    node ages into staleness with no event at all.
     """
 
     def __init__(self, api: Any = None, *, kubeconfig: str | None = None, retry_s: float = 2.0,
-                 watch_timeout_s: int = 60, on_change: Callable[[], None] | None = None) -> None:
+                 watch_timeout_s: int = 300, on_change: Callable[[], None] | None = None,
+                 label_selector: str | None = None) -> None:
+        from zerolayer.kubewatch import WatchLoop
+
         self._api = api if api is not None else load_custom_objects_api(kubeconfig)
-        self._retry_s = retry_s
-        self._watch_timeout_s = watch_timeout_s
         self._on_change = on_change
-        self._objects: dict[str, Mapping[str, Any]] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._watcher: Any = None
-        self._thread = threading.Thread(target=self._run, name="zerolayer-gpumap", daemon=True)
-        self.last_error: GpuMapError | None = None
-        self.events = 0
+        self._loop = WatchLoop(self._api.list_cluster_custom_object, GROUP, VERSION, PLURAL, name="gpumap",
+                               on_change=self._changed, label_selector=label_selector, retry_s=retry_s,
+                               watch_timeout_s=watch_timeout_s)
+
+    @property
+    def counters(self) -> Any:
+        """LIST/WATCH requests and events so far (:class:`zerolayer.kubewatch.WatchCounters`)."""
+        return self._loop.counters
+
+    @property
+    def events(self) -> int:
+        return self._loop.counters.events
+
+    @property
+    def last_error(self) -> GpuMapError | None:
+        error = self._loop.last_error
+        return GpuMapError(f"InferenceNode watch failed: {error}") if error else None
 
     def start(self) -> "GpuMapWatcher":
-        self._thread.start()
+        self._loop.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        watcher = self._watcher
-        if watcher is not None:
-            watcher.stop()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        self._loop.stop(timeout)
 
     def __enter__(self) -> "GpuMapWatcher":
         return self.start()
@@ -341,12 +349,10 @@ class GpuMapWatcher:
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         """Block until the first listing arrived (start-up only; not on an event loop)."""
-        return self._ready.wait(timeout)
+        return self._loop.started.wait(timeout)
 
     def snapshot(self, now: float | None = None) -> FleetMap:
-        with self._lock:
-            objects = list(self._objects.values())
-        return FleetMap.from_objects(objects, now)
+        return FleetMap.from_objects(list(self._loop.objects.values()), now)
 
     def wait_for(self, predicate: Callable[[FleetMap], bool], timeout: float) -> FleetMap:
         """Block until ``predicate(snapshot)`` holds; raises :class:`GpuMapError` after ``timeout``."""
@@ -358,16 +364,6 @@ class GpuMapWatcher:
             if time.monotonic() >= deadline:
                 raise GpuMapError(f"GPU map did not reach the expected state within {timeout}s")
             time.sleep(0.05)
-
-    def _apply(self, kind: str, obj: Mapping[str, Any]) -> None:
-        name = str((obj.get("metadata") or {}).get("name", ""))
-        with self._lock:
-            if kind == "DELETED":
-                self._objects.pop(name, None)
-            else:
-                self._objects[name] = obj
-        self.events += 1
-        self._changed()
 
     def _changed(self) -> None:
         if self._on_change is None:
@@ -383,41 +379,6 @@ class GpuMapWatcher:
         from urllib3.exceptions import HTTPError
 
         try:
-            listing = self._api.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=10)
+            return self._loop.list_once()
         except (ApiException, HTTPError, OSError) as exc:
             raise GpuMapError(f"cannot list InferenceNodes: {exc}") from exc
-        with self._lock:
-            self._objects = {str(i["metadata"]["name"]): i for i in listing.get("items", [])}
-        self._ready.set()
-        self._changed()
-        return (listing.get("metadata") or {}).get("resourceVersion")
-
-    def _run(self) -> None:
-        from kubernetes import watch
-        from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError
-
-        while not self._stop.is_set():
-            try:
-                version = self.list_once()
-                self._watcher = watch.Watch()
-                for event in self._watcher.stream(self._api.list_cluster_custom_object, GROUP, VERSION, PLURAL,
-                                                  resource_version=version,
-                                                  timeout_seconds=self._watch_timeout_s,
-                                                  # client-side too: an API server that dies mid-watch
-                                                  # must not leave the read hanging
-                                                  _request_timeout=self._watch_timeout_s + 15):
-                    if self._stop.is_set():
-                        break
-                    if event.get("type") == "ERROR":  # e.g. 410 Gone: relist
-                        break
-                    self._apply(str(event["type"]), event["object"])
-                self.last_error = None
-            except GpuMapError as exc:
-                self.last_error = exc
-                log.warning("%s", exc)
-                self._stop.wait(self._retry_s)
-            except (ApiException, HTTPError, OSError, ValueError) as exc:
-                self.last_error = GpuMapError(f"InferenceNode watch failed: {exc}")
-                log.warning("%s", self.last_error)
-                self._stop.wait(self._retry_s)

@@ -150,6 +150,15 @@ class TenantLedger:
         """Undo a reservation whose stream never started (body-stage refusal)."""
         self.settle(stream_key, 0, now)
 
+    def restore(self, tokens: int, requests: int, now: float) -> None:
+        """Count ``tokens`` and ``requests`` made before a restart as reserved at ``now`` (no stream:
+        they leave the window ``window_s`` from now, never sooner than the real ones would have)."""
+        self.expire(now)
+        if tokens > 0:
+            self._charges.append(_Charge(now, int(tokens), ""))
+            self._tokens += int(tokens)
+        self._requests.extend([now] * max(0, int(requests)))
+
 
 class QuotaLedger:
     """All tenants' ledgers, and the check that the quota filter runs."""
@@ -159,6 +168,10 @@ class QuotaLedger:
         # when a stream will end is unknown, so a concurrency refusal suggests a fixed pause
         self.concurrency_retry_after_s = concurrency_retry_after_s
         self._tenants: dict[str, TenantLedger] = {}
+
+    def tenants(self) -> set[str]:
+        """Names of the tenants with a ledger (charged at least once)."""
+        return set(self._tenants)
 
     def tenant(self, name: str) -> TenantLedger:
         ledger = self._tenants.get(name)

@@ -1,0 +1,114 @@
+"""Several in-cluster runtimes as local processes against a local control plane, without the operator.
+
+Used by tests/e2e/test_fleet_quota.py and the benches bench/fleet_quota.py and bench/runtime_api_load.py.
+The operator's one job the runtimes depend on, publishing key hashes into ``zl-tenant-keys``, is done
+here (:func:`keys_secret`, the same entry format as ``operator/manifests.py build_tenant_key_entry``),
+so the API requests a bench counts are the runtimes' own.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterable
+
+API = "zerolayer.io/v1alpha1"
+LABEL = "zerolayer.io/fleet-test"
+
+
+def key_entry(tenant: str, keys: Iterable[str], created: str = "") -> str:
+    hashes = sorted(hashlib.sha256(k.encode()).hexdigest() for k in keys)
+    document = {"tenant": tenant, "created": created, "hashes": hashes}
+    return base64.b64encode(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).decode()
+
+
+def keys_secret(namespace: str, entries: dict[str, str]) -> dict:
+    """``zl-tenant-keys`` with ``entries`` (TenantQuota name -> :func:`key_entry`)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": "zl-tenant-keys", "namespace": namespace}, "data": dict(entries)}
+
+
+def inference_node(name: str, run: str, model: str = "synth") -> dict:
+    return {"apiVersion": API, "kind": "InferenceNode", "metadata": {"name": name, "labels": {LABEL: run}},
+            "spec": {"nodeName": name, "models": [{"name": model, "source": {"path": "/none"}}],
+                     "runtime": {"engine": "synthetic", "port": 18443, "gpus": 0},
+                     "gossip": {"heartbeatSeconds": 30, "staleAfterSeconds": 90}}}
+
+
+def tenant_quota(name: str, run: str, namespace: str, **spec) -> dict:
+    return {"apiVersion": API, "kind": "TenantQuota", "metadata": {"name": name, "labels": {LABEL: run}},
+            "spec": {"tenant": name, "apiKeySecretRef": {"name": "unused", "namespace": namespace},
+                     "namespaces": ["default"], "tokensPerMinute": 100000, "requestsPerMinute": 1000,
+                     "allowedPriorities": ["high", "normal", "low"], **spec}}
+
+
+class RuntimeProcess:
+    """``zerolayer runtime --node-name NODE`` in a child process; :attr:`url` once it serves."""
+
+    def __init__(self, kubeconfig: str, node: str, namespace: str, log_dir: pathlib.Path,
+                 extra: Iterable[str] = (), env: dict[str, str] | None = None) -> None:
+        self.kubeconfig, self.node, self.namespace = kubeconfig, node, namespace
+        self.log_path = log_dir / f"runtime-{node}.log"
+        self.extra = list(extra)
+        self.env = dict(env or os.environ, KUBECONFIG=kubeconfig)
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def start(self) -> "RuntimeProcess":
+        self.url = None
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "zerolayer.cli", "runtime", "--node-name", self.node, "--kubeconfig",
+             self.kubeconfig, "--port", "0", "--tenant-namespace", self.namespace, "--log-level", "INFO",
+             *self.extra], env=self.env, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        return self
+
+    def wait_serving(self, timeout: float = 90) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"runtime {self.node} exited: see {self.log_path}")
+            if "serving on " in line:
+                self.url = line.split("serving on ")[1].split()[0].replace("0.0.0.0", "127.0.0.1")
+                threading.Thread(target=self._drain, daemon=True).start()
+                return self.url
+        raise AssertionError(f"runtime {self.node} did not serve within {timeout}s")
+
+    def _drain(self) -> None:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        for _ in proc.stdout:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL: what a crash looks like (no final claim release, no goodbye)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+
+
+def start_all(runtimes: list[RuntimeProcess], timeout: float = 120) -> list[str]:
+    for r in runtimes:
+        r.start()
+    return [r.wait_serving(timeout) for r in runtimes]
