@@ -64,6 +64,7 @@ class RuntimeProcess:
 
     def start(self) -> "RuntimeProcess":
         self.url = None
+        self._close()
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "zerolayer.cli", "runtime", "--node-name", self.node, "--kubeconfig",
@@ -87,7 +88,10 @@ class RuntimeProcess:
     def _drain(self) -> None:
         proc = self.proc
         assert proc is not None and proc.stdout is not None
-        for _ in proc.stdout:
+        try:
+            for _ in proc.stdout:
+                pass
+        except ValueError:  # closed by stop() after the process ended
             pass
 
     def kill(self) -> None:
@@ -104,6 +108,11 @@ class RuntimeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._close()
+
+    def _close(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
         if getattr(self, "_log", None) is not None:
             self._log.close()
 
