@@ -593,7 +593,8 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig, node_gpus:
                 # Meter this pod's runtime only: its cgroup, found from the pod's UID in the host's cgroup tree.
                 "args": ["auditor", f"--source={AUDIT_SOURCES[audit.get('mode', 'auto')]}",
                          f"--spool={AUDIT_SPOOL}", f"--db={AUDIT_DB}", "--tenant-quotas",
-                         "--pod-uid=$(POD_UID)", "--cgroup-root=/host/sys/fs/cgroup"]
+                         "--pod-uid=$(POD_UID)", "--cgroup-root=/host/sys/fs/cgroup",
+                         f"--retention={int(audit.get('retentionDays', 30))}d"]
                 + _clickhouse_args(audit),
                 "env": env + [{"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1",
                                                                              "fieldPath": "metadata.uid"}}}]
@@ -807,8 +808,9 @@ def build_keys_role(inode: Mapping[str, Any], config: OperatorConfig) -> dict:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": _meta(runtime_name(name), config.runtime_namespace, inode, OWNER_NODE_LABEL),
+        # list/watch by name (a metadata.name field selector is authorised by resourceNames): runtimes watch it
         "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [TENANT_KEYS_SECRET],
-                   "verbs": ["get"]}],
+                   "verbs": ["get", "list", "watch"]}],
     }
 
 

@@ -161,7 +161,7 @@ def test_runtime_rbac_is_least_privilege():
     keys_role = m.build_keys_role(inode(), CONFIG)
     assert keys_role["metadata"]["namespace"] == "zl-run"
     assert keys_role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["zl-tenant-keys"],
-                                   "verbs": ["get"]}]
+                                   "verbs": ["get", "list", "watch"]}]
     rb = m.build_keys_rolebinding(inode(), CONFIG)
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "zl-runtime-gpu-node-0", "namespace": "zl-run"}]
 
