@@ -201,8 +201,9 @@ def run_auditor(args: argparse.Namespace) -> int:
         if args.tenant_quotas:
             from zerolayer.bpf.kube import QuotaStatusWriter, TenantQuotaApi
 
-            writer = QuotaStatusWriter(TenantQuotaApi(args.kubeconfig), node=args.node_name,
-                                       min_interval_s=args.status_interval)
+            quota_api = TenantQuotaApi(args.kubeconfig)
+            writer = QuotaStatusWriter(quota_api, node=args.node_name, min_interval_s=args.status_interval,
+                                       watch=quota_api.watch())
         mirror = None
         if args.clickhouse:
             from zerolayer.bpf.clickhouse import ClickHouseMirror, connect

@@ -9,7 +9,10 @@ is refused (409), the object is read again and the sum recomputed. Window fields
 (``tokensThisWindow``, ``requestsThisWindow``) add up only the entries of the current window.
 
 Writes are bounded: at most one status patch per tenant per ``min_interval_s``, and none when
-this node's usage did not change. Kubernetes errors become :class:`QuotaStatusError`.
+this node's usage did not change. Reads are a watch, not a poll: with ``TenantQuotaApi.watch()``
+the writer keeps every TenantQuota current from one LIST and then watch events
+(:class:`zerolayer.kubewatch.WatchLoop`), so tenants and prices added after the auditor started
+are seen within a status cycle at no read cost. Kubernetes errors become :class:`QuotaStatusError`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ class TenantQuotaApi:
             self._api = client.CustomObjectsApi(kubeaccess.api_client(kubeconfig))
         except Exception as exc:  # kubernetes raises several unrelated types for bad configs
             raise QuotaStatusError(f"cannot configure the Kubernetes client: {exc}") from exc
+
+    def watch(self) -> Any:
+        """A started :class:`zerolayer.kubewatch.WatchLoop` over every TenantQuota."""
+        from zerolayer.kubewatch import WatchLoop
+
+        return WatchLoop(self._api.list_cluster_custom_object, GROUP, VERSION, PLURAL, name="auditor-tenantquotas",
+                         retry_s=5.0).start()
 
     def list(self) -> list[dict[str, Any]]:
         try:
@@ -87,10 +97,12 @@ class QuotaStatusWriter:
     """Publishes this node's usage to ``TenantQuota.status.usage.nodes.<node>`` and the fleet sum beside it."""
 
     def __init__(self, api: Any, *, node: str = "local", min_interval_s: float = 15.0,
-                 clock: Callable[[], float] | None = None, max_attempts: int = 3) -> None:
+                 clock: Callable[[], float] | None = None, max_attempts: int = 3, watch: Any = None) -> None:
+        """``watch``: a WatchLoop over TenantQuotas (``api.watch()``); None: LIST on every :meth:`refresh`."""
         import time
 
         self.api = api
+        self.watch = watch
         self.node = node
         self.min_interval_s = min_interval_s
         self.max_attempts = max_attempts
@@ -102,8 +114,12 @@ class QuotaStatusWriter:
         self.conflicts = 0
 
     def refresh(self) -> list[dict[str, Any]]:
-        """Read every TenantQuota (the auditor calls this every status cycle: new tenants, new prices)."""
-        quotas = self.api.list()
+        """Every TenantQuota (the auditor calls this every status cycle: new tenants, new prices): from the
+        watch's cache when there is one (no request; a LIST until its first listing arrived), else one LIST."""
+        if self.watch is not None and self.watch.started.is_set():
+            quotas = list(self.watch.objects.values())
+        else:
+            quotas = self.api.list()
         self._quotas = {str(q["spec"]["tenant"]): q for q in quotas if (q.get("spec") or {}).get("tenant")}
         self.names = {t: q["metadata"]["name"] for t, q in self._quotas.items()}
         return quotas
