@@ -118,6 +118,8 @@ def plan_dimension(limit: int | None, own: int, used: int, refused: int, largest
     step = max(1, quantum // 2 if contended else quantum)  # hysteresis: fewer writes
     if target > own and (refused > 0 or target - own >= step):
         return max(own, min(target, free)), want
+    if own + others_claimed > limit:  # the limit was lowered under the claims: give back at once
+        return max(used, min(target, own, free)), want
     if target < own and own - target >= step:
         return target, want
     return own, want

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -121,3 +122,61 @@ def start_all(runtimes: list[RuntimeProcess], timeout: float = 120) -> list[str]
     for r in runtimes:
         r.start()
     return [r.wait_serving(timeout) for r in runtimes]
+
+
+# --------------------------------------------------------------------------- counting the runtimes' API requests
+_DISPATCHED = re.compile(r'^apiserver_flowcontrol_dispatched_requests_total\{(?P<l>[^}]*)\} (?P<v>\S+)$')
+_REQUESTS = re.compile(r'^apiserver_request_total\{(?P<l>[^}]*)\} (?P<v>\S+)$')
+
+
+def runtime_identity(cluster, namespace: str, name: str, workdir: pathlib.Path) -> pathlib.Path:
+    """A ServiceAccount for the runtimes and a FlowSchema matching only it, so the API server counts
+    their requests apart (``apiserver_flowcontrol_dispatched_requests_total{flow_schema=name}``);
+    returns a kubeconfig that authenticates as it. ``cluster`` has ``kubectl(...)`` and ``kubeconfig``."""
+    import yaml
+
+    cluster.kubectl("create", "serviceaccount", name, "-n", namespace)
+    cluster.kubectl("create", "clusterrolebinding", name, "--clusterrole=cluster-admin",
+                    f"--serviceaccount={namespace}:{name}")
+    schema = {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema", "metadata": {"name": name},
+              "spec": {"priorityLevelConfiguration": {"name": "workload-high"}, "matchingPrecedence": 500,
+                       "distinguisherMethod": {"type": "ByUser"},
+                       "rules": [{"subjects": [{"kind": "ServiceAccount",
+                                                "serviceAccount": {"name": name, "namespace": namespace}}],
+                                  "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
+                                                     "clusterScope": True, "namespaces": ["*"]}],
+                                  "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(schema))
+    token = cluster.kubectl("create", "token", name, "-n", namespace, "--duration=4h").stdout.strip()
+    config = yaml.safe_load(pathlib.Path(cluster.kubeconfig).read_text())
+    config["users"] = [{"name": name, "user": {"token": token}}]
+    for ctx in config["contexts"]:
+        ctx["context"]["user"] = name
+    path = workdir / f"{name}.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def api_metrics(cluster) -> str:
+    return cluster.kubectl("get", "--raw", "/metrics").stdout
+
+
+def dispatched(text: str, schema: str) -> float:
+    """Requests the API server dispatched for ``schema`` (watches included, counted when they start)."""
+    return sum(float(m.group("v")) for line in text.splitlines()
+               if (m := _DISPATCHED.match(line)) and f'flow_schema="{schema}"' in m.group("l"))
+
+
+def requests_by(text: str, resources: Iterable[str]) -> dict[str, float]:
+    """``apiserver_request_total`` summed by "VERB resource[/subresource]" for ``resources`` (all clients)."""
+    wanted, out = set(resources), {}
+    for line in text.splitlines():
+        m = _REQUESTS.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("l")))
+        if labels.get("resource") in wanted:
+            key = f"{labels.get('verb')} {labels['resource']}" + (f"/{labels['subresource']}"
+                                                                 if labels.get("subresource") else "")
+            out[key] = out.get(key, 0.0) + float(m.group("v"))
+    return out
