@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 
 import pytest
 
@@ -98,3 +100,81 @@ async def test_sync_applies_only_changes():
     assert applied[-1][0].key_hashes == {key_hash("sk-new")}
     reader.quotas = []
     assert await sync.sync_once() is True and applied[-1] == []
+
+
+class FakeWatch:
+    """What TenantSync/NodeSpecSync use of kubewatch.WatchLoop: ``objects``, ``started``, ``counters``."""
+
+    def __init__(self, on_change) -> None:  # type: ignore[no-untyped-def]
+        import threading
+
+        from zerolayer.kubewatch import WatchCounters
+
+        self.on_change, self.objects, self.counters = on_change, {}, WatchCounters()
+        self.started = threading.Event()
+        self.stopped = False
+
+    def start(self):  # type: ignore[no-untyped-def]
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stopped = True
+
+    def change(self, objects) -> None:  # type: ignore[no-untyped-def]
+        """An event arrived (called from the watch thread in real life)."""
+        self.objects = dict(objects)
+        self.started.set()
+        self.on_change()
+
+
+class WatchingReader:
+    def __init__(self) -> None:
+        self.watches: dict[str, FakeWatch] = {}
+
+    def watch_tenant_quotas(self, on_change, *, retry_s):  # type: ignore[no-untyped-def]
+        self.watches["quotas"] = FakeWatch(on_change)
+        return self.watches["quotas"]
+
+    def watch_tenant_keys(self, namespace, on_change, *, retry_s):  # type: ignore[no-untyped-def]
+        self.watches["keys"] = FakeWatch(on_change)
+        return self.watches["keys"]
+
+
+def keys_secret(**tenants):  # type: ignore[no-untyped-def]
+    import base64
+
+    return {"metadata": {"name": "zl-tenant-keys"},
+            "data": {name: base64.b64encode(json.dumps({"tenant": name, "created": "", "hashes": [
+                key_hash(k) for k in keys]}).encode()).decode() for name, keys in tenants.items()}}
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_watch_events_apply_tenants_without_reads():
+    reader, applied = WatchingReader(), []
+    sync = TenantSync(reader, applied.append, namespace="zerolayer").start()
+    try:
+        quotas, keys = reader.watches["quotas"], reader.watches["keys"]
+        quotas.change({"acme": quota("acme")})
+        await settle()
+        assert applied == []  # the key hashes have not been listed yet: nothing to decide on
+        keys.change({"zerolayer/zl-tenant-keys": keys_secret(acme=["sk-old"])})
+        await settle()
+        assert [t.name for t in applied[-1]] == ["acme"]
+        status_only = dict(quota("acme"), status={"usage": {"tokensThisWindow": 5}})
+        quotas.change({"acme": status_only})  # an auditor's usage write
+        await settle()
+        assert len(applied) == 1  # same tenants: nothing applied
+        keys.change({"zerolayer/zl-tenant-keys": keys_secret(acme=["sk-new"])})  # rotation
+        await settle()
+        assert applied[-1][0].key_hashes == {key_hash("sk-new")}
+        quotas.change({})  # the TenantQuota was deleted
+        await settle()
+        assert applied[-1] == []
+    finally:
+        await sync.stop()
+    assert reader.watches["quotas"].stopped and reader.watches["keys"].stopped
