@@ -28,8 +28,11 @@ import datetime
 import hashlib
 import json
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+from zerolayer.kubewatch import WatchCounters
 
 log = logging.getLogger(__name__)
 
@@ -311,23 +314,43 @@ class GpuMapWatcher:
 
     def __init__(self, api: Any = None, *, kubeconfig: str | None = None, retry_s: float = 2.0,
                  watch_timeout_s: int = 300, on_change: Callable[[], None] | None = None,
-                 label_selector: str | None = None) -> None:
-        from zerolayer.kubewatch import WatchLoop
-
+                 label_selector: str | None = None, on_demand_idle_s: float | None = None) -> None:
+        """``on_demand_idle_s``: watch only while the map is used. :meth:`start` then opens nothing;
+        the first :meth:`snapshot` opens the watch (that snapshot and those until the first listing
+        arrives are empty), and the watch is closed again once no snapshot was asked for during
+        ``on_demand_idle_s``. A runtime needs the map only to name alternatives when it refuses for
+        pressure and to answer the map endpoint: an idle or unpressured node then receives no
+        heartbeat events at all. None: watch from :meth:`start` to :meth:`stop`."""
         self._api = api if api is not None else load_custom_objects_api(kubeconfig)
         self._on_change = on_change
-        self._loop = WatchLoop(self._api.list_cluster_custom_object, GROUP, VERSION, PLURAL, name="gpumap",
-                               on_change=self._changed, label_selector=label_selector, retry_s=retry_s,
-                               watch_timeout_s=watch_timeout_s)
+        self._options = dict(label_selector=label_selector, retry_s=retry_s, watch_timeout_s=watch_timeout_s)
+        self._on_demand_idle_s = on_demand_idle_s
+        self._guard = threading.Lock()
+        self._last_used = 0.0
+        self._reaper: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._retired = WatchCounters()
+        self._loop = self._new_loop()
+
+    def _new_loop(self) -> Any:
+        from zerolayer.kubewatch import WatchLoop
+
+        return WatchLoop(self._api.list_cluster_custom_object, GROUP, VERSION, PLURAL, name="gpumap",
+                         on_change=self._changed, **self._options)
 
     @property
     def counters(self) -> Any:
-        """LIST/WATCH requests and events so far (:class:`zerolayer.kubewatch.WatchCounters`)."""
-        return self._loop.counters
+        """LIST/WATCH requests and events so far, over every watch opened (:class:`zerolayer.kubewatch.WatchCounters`)."""
+        now = self._loop.counters
+        return WatchCounters(*(getattr(self._retired, f) + getattr(now, f) for f in WatchCounters.__dataclass_fields__))
 
     @property
     def events(self) -> int:
-        return self._loop.counters.events
+        return self.counters.events
+
+    @property
+    def watching(self) -> bool:
+        return self._loop._thread.is_alive()
 
     @property
     def last_error(self) -> GpuMapError | None:
@@ -335,11 +358,16 @@ class GpuMapWatcher:
         return GpuMapError(f"InferenceNode watch failed: {error}") if error else None
 
     def start(self) -> "GpuMapWatcher":
-        self._loop.start()
+        if self._on_demand_idle_s is None:
+            self._loop.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._loop.stop(timeout)
+        self._stopped.set()
+        with self._guard:
+            self._loop.stop(timeout)
+        if self._reaper is not None and threading.current_thread() is not self._reaper:
+            self._reaper.join(timeout)
 
     def __enter__(self) -> "GpuMapWatcher":
         return self.start()
@@ -349,10 +377,42 @@ class GpuMapWatcher:
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         """Block until the first listing arrived (start-up only; not on an event loop)."""
+        self._used()
         return self._loop.started.wait(timeout)
 
     def snapshot(self, now: float | None = None) -> FleetMap:
+        self._used()
         return FleetMap.from_objects(list(self._loop.objects.values()), now)
+
+    def _used(self) -> None:
+        if self._on_demand_idle_s is None or self._stopped.is_set():
+            return
+        self._last_used = time.monotonic()
+        if self.watching:
+            return
+        with self._guard:
+            if self.watching or self._stopped.is_set():
+                return
+            if self._loop.counters.watches or self._loop.counters.lists:  # a closed one: threads start once
+                self._retire()
+                self._loop = self._new_loop()
+            self._loop.start()
+            self._reaper = threading.Thread(target=self._reap, name="gpumap-idle", daemon=True)
+            self._reaper.start()
+
+    def _retire(self) -> None:
+        for f in WatchCounters.__dataclass_fields__:
+            setattr(self._retired, f, getattr(self._retired, f) + getattr(self._loop.counters, f))
+
+    def _reap(self) -> None:
+        """Close the watch once the map went unused for ``on_demand_idle_s``."""
+        assert self._on_demand_idle_s is not None
+        while not self._stopped.wait(max(0.05, self._last_used + self._on_demand_idle_s - time.monotonic())):
+            if time.monotonic() - self._last_used >= self._on_demand_idle_s:
+                with self._guard:
+                    self._loop.stop()
+                log.info("GPU map unused for %gs: watch closed until it is needed", self._on_demand_idle_s)
+                return
 
     def wait_for(self, predicate: Callable[[FleetMap], bool], timeout: float) -> FleetMap:
         """Block until ``predicate(snapshot)`` holds; raises :class:`GpuMapError` after ``timeout``."""
