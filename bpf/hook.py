@@ -1,4 +1,4 @@
-"""How ``zerolayer runtime`` meters tokens: its audit flags and the probe it hands the application.
+"""How ``zerolayer runtime`` meters tokens: its audit flags and the probe whose ``emit`` is the token sink.
 
 The runtime imports this module only; it depends on :mod:`zerolayer.bpf.probes` and nothing
 heavier (no bcc, no SQLite). The USDT probe is always on (a nop until an auditor attaches).
@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
-
 from zerolayer.bpf.errors import AuditError
 from zerolayer.bpf.probes import TokenProbe
 
@@ -28,16 +26,15 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
                              "unmetered (env ZEROLAYER_AUDIT_WINDOW_MS)")
 
 
-def attach_token_probe(args: argparse.Namespace, server: Any) -> TokenProbe:
-    """Create the process's TokenProbe and route the application's token events to it; close it at exit.
+def open_token_probe(args: argparse.Namespace) -> TokenProbe:
+    """The process's TokenProbe as ``args`` ask for it; its ``emit`` is the server's token sink
+    (the composition root passes it to the server's constructor) and it is closed at exit.
 
     A spool that cannot be used ends the runtime with a message (exit status 2): metering is not optional
     once asked for.
     """
     try:
-        probe = TokenProbe(args.audit_spool, journal=bool(args.audit_journal), window_s=args.audit_window_ms / 1000)
+        return TokenProbe(args.audit_spool, journal=bool(args.audit_journal), window_s=args.audit_window_ms / 1000)
     except AuditError as exc:
         print(f"zerolayer runtime: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
-    server.app.token_sink = probe.emit
-    return probe

@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS (ALPN h2, http/1.1) with this certificate chain; "
                                                           "overrides tls.cert (needs --tls-key)")
     parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert; overrides tls.key")
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="set SO_REUSEPORT on the serving socket so several runtime processes share the port "
+                             "(the kernel spreads connections between them); overrides listen.reuse_port")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
     from zerolayer.runtime.gossip.hook import add_gossip_arguments
 
@@ -92,7 +95,8 @@ async def serve_metrics(server, port: int, host: str = "0.0.0.0"):  # type: igno
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from zerolayer.runtime.config import build_server, load_config, load_mapping, parse_config
+    from zerolayer.runtime.compose import compose
+    from zerolayer.runtime.config import load_config, load_mapping, parse_config
 
     reader = None
     inode = None
@@ -116,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             raise RuntimeServerError("give --config FILE, or --in-cluster / --node-name NODE")
         config = with_tls_flags(config, args.tls_cert, args.tls_key)
-        server = build_server(config, port=args.port, metrics_on_serving_port=not args.metrics_port)
+        runtime = compose(config, args, port=args.port, metrics_on_serving_port=not args.metrics_port,
+                          reuse_port=args.reuse_port or None, fleet_quota=reader is not None)
+        server = runtime.server
     except RuntimeServerError as exc:
         print(f"zerolayer runtime: {exc}", file=sys.stderr)
         return 2
@@ -128,15 +134,14 @@ def run(args: argparse.Namespace) -> int:
         runner = asyncio.run
 
     async def main() -> None:
-        from zerolayer.runtime.gossip.hook import start_node_agent
-
-        from zerolayer.bpf.hook import attach_token_probe
-
-        probe = attach_token_probe(args, server)  # USDT token events (+ counters, journal with --audit-spool)
+        probe, agent = runtime.probe, runtime.agent
+        assert probe is not None and agent is not None  # compose() with args builds both
         sync = None
+        fleet_quota = None
         if reader is not None:
-            from zerolayer.runtime.incluster import TenantSync
+            from zerolayer.runtime.incluster import TenantSync, attach_fleet_quota
 
+            fleet_quota = attach_fleet_quota(server, reader, node)  # tenants' limits hold across the fleet
             sync = TenantSync(reader, server.replace_tenants, namespace=args.tenant_namespace,
                               interval_s=args.tenant_sync_seconds, registry=server.metrics.registry)
             # Serve with the cluster's tenants from the first request; if they cannot be read yet,
@@ -147,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         metrics_listener = await serve_metrics(server, args.metrics_port) if args.metrics_port else None
         if sync is not None:
             sync.start()
+        if fleet_quota is not None:
+            fleet_quota.start()
         spec_sync = None
         if reader is not None and inode is not None:
             from zerolayer.runtime.incluster import NodeSpecSync
@@ -158,9 +165,7 @@ def run(args: argparse.Namespace) -> int:
             spec_sync = NodeSpecSync(reader, node, base, apply_scheduler, interval_s=args.tenant_sync_seconds)
             spec_sync.prime(inode)
             spec_sync.start()
-        agent = await start_node_agent(args, server)  # SIGUSR1 release; gossip with --node-name
-        if agent.watcher is not None:  # alternatives on pressure refusals, GET /v1/zerolayer/map
-            server.use_fleet(agent.fleet, self_name=getattr(args, "node_name", None))
+        await agent.start(server)  # SIGUSR1 release, energy metering; gossip with --node-name
         print(f"zerolayer runtime serving on {server.base_url} (engine: {server.engine.kind}, "
               f"models: {', '.join(server.engine.models)})", flush=True)
         try:
@@ -170,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
                 metrics_listener.close()
             if sync is not None:
                 await sync.stop()
+            if fleet_quota is not None:
+                await asyncio.to_thread(fleet_quota.stop)
             if spec_sync is not None:
                 await spec_sync.stop()
             await agent.stop()

@@ -41,6 +41,7 @@ class RuntimeConfig:
     sample_interval_s: float
     base_dir: pathlib.Path
     required_headers: tuple[str, ...] = ()
+    reuse_port: bool = False  # listen.reuse_port: SO_REUSEPORT, several processes on one port
 
 
 def _mapping(data: Any, where: str) -> dict[str, Any]:
@@ -113,6 +114,9 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
     port = listen.get("port", 8080)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
         raise ConfigError(f"listen.port: expected 0..65535, got {port!r}")
+    reuse_port = listen.get("reuse_port", False)
+    if not isinstance(reuse_port, bool):
+        raise ConfigError(f"listen.reuse_port: expected true or false, got {reuse_port!r}")
     tls = _mapping(data.get("tls"), "tls")
     if tls and not (tls.get("cert") and tls.get("key")):
         raise ConfigError("tls: give both cert and key")
@@ -155,6 +159,7 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         sample_interval_s=float(interval_ms) / 1000.0,
         base_dir=base_dir,
         required_headers=tuple(required),
+        reuse_port=reuse_port,
     )
 
 
@@ -304,25 +309,7 @@ def _nvml_source(spec: Mapping[str, Any]):  # type: ignore[no-untyped-def]
 
 def build_server(config: RuntimeConfig, *, port: int | None = None,  # type: ignore[no-untyped-def]
                  metrics_on_serving_port: bool = True):
-    from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, SchedulerError
-    from zerolayer.runtime.server import RuntimeServer, tls_context
+    """The server ``config`` describes (built by the composition root, :mod:`zerolayer.runtime.compose`)."""
+    from zerolayer.runtime.compose import build_server as compose_server
 
-    try:
-        scheduler = MicroScheduler(SchedulerConfig.from_mapping(config.scheduler))
-    except SchedulerError as exc:
-        raise ConfigError(f"scheduler: {exc}") from exc
-    engine = build_engine(config)
-    ssl_context = tls_context(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key else None
-    return RuntimeServer(
-        engine=engine,
-        scheduler=scheduler,
-        tenants=config.tenants,
-        gpu_source=build_gpu_source(config, engine),
-        limits=config.limits,
-        host=config.host,
-        port=config.port if port is None else port,
-        ssl_context=ssl_context,
-        sample_interval_s=config.sample_interval_s,
-        required_headers=config.required_headers,
-        metrics_on_serving_port=metrics_on_serving_port,
-    )
+    return compose_server(config, port=port, metrics_on_serving_port=metrics_on_serving_port)

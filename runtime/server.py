@@ -28,6 +28,7 @@ from zerolayer.runtime.metrics import RuntimeMetrics
 from zerolayer.runtime.scheduler.api import Preemption, Pressure, Scheduler
 from zerolayer.runtime.scheduler.config import SchedulerError
 from zerolayer.runtime.scheduler.pressure import pressure_from_readings
+from zerolayer.runtime.session import TokenSink
 from zerolayer.runtime.tenants import Tenant, TenantDirectory
 from zerolayer.runtime.transport import Connection, PeerLedger
 
@@ -60,10 +61,21 @@ class RuntimeServer:
         ssl_context: ssl.SSLContext | None = None,
         sample_interval_s: float = 0.2,
         required_headers: Sequence[str] = (),
-        alternatives: Callable[[str | None], str | None] | None = None,
-        map_document: Callable[[], bytes | None] | None = None,
         metrics_on_serving_port: bool = True,
+        reuse_port: bool = False,
+        token_sink: TokenSink | None = None,
+        extra_metrics: Sequence[Callable[[], bytes]] = (),
+        fleet: Callable[[], FleetMap | None] | None = None,
+        self_name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """Sinks and sources come in here, never by setting attributes later (see
+        :mod:`zerolayer.runtime.compose`): ``token_sink`` meters tokens; ``extra_metrics`` renderers
+        are appended to ``/metrics`` (the scheduler's registry always is); ``fleet()`` is a
+        non-blocking GPU-map snapshot (the node agent's) that gives alternatives on pressure
+        refusals and ``GET /v1/zerolayer/map``, ``self_name`` being this node's name in it; ``clock``
+        (monotonic seconds) is what admission, throttling and sessions read.
+        ``reuse_port`` sets SO_REUSEPORT so several runtime processes can share ``port``."""
         self.engine = engine
         self.scheduler = scheduler
         self.tenants = tenants if isinstance(tenants, TenantDirectory) else TenantDirectory(tenants)
@@ -78,12 +90,22 @@ class RuntimeServer:
         self.failed_samples = Counter(
             "zerolayer_gpu_samples_failed", "GPU samples that gave no reading (the scheduler kept its state).",
             registry=self.metrics.registry)
+        self.reuse_port = reuse_port
         extra = getattr(scheduler, "registry", None)
+        renderers = [lambda: self.metrics.render_registry(extra)] if extra is not None else []
+        alternatives = map_document = None
+        if fleet is not None:
+            def alternatives(session: str | None) -> str | None:
+                return alternatives_header(fleet(), session, self_name=self_name)
+
+            def map_document() -> bytes | None:
+                current = fleet()
+                return render_map_document(current) if current is not None else None
         self.app = Application(
             engine=engine, scheduler=scheduler, tenants=self.tenants, metrics=self.metrics, limits=self.limits,
             required_headers=required_headers, alternatives=alternatives, map_document=map_document,
-            metrics_on_serving_port=metrics_on_serving_port,
-            render_extra_metrics=(lambda: self.metrics.render_registry(extra)) if extra is not None else lambda: b"",
+            metrics_on_serving_port=metrics_on_serving_port, token_sink=token_sink,
+            extra_metrics=[*renderers, *extra_metrics], clock=clock,
         )
         self.connections: set[Connection] = set()
         self.peers = PeerLedger(self.limits)  # connection caps (transport)
@@ -102,7 +124,7 @@ class RuntimeServer:
         loop = asyncio.get_running_loop()
         tls = self.ssl_context is not None
         server = await loop.create_server(lambda: Connection(self, tls), self.host, self.port,
-                                          ssl=self.ssl_context, reuse_address=True)
+                                          ssl=self.ssl_context, reuse_address=True, reuse_port=self.reuse_port or None)
         self._servers.append(server)
         self.port = server.sockets[0].getsockname()[1]
         self._sampler = loop.create_task(self._sample_loop())
@@ -164,16 +186,6 @@ class RuntimeServer:
         if isinstance(capacity, int) and capacity > 0 and callable(adopt) and adopt(capacity):
             log.info("scheduler projection: KV-cache capacity %d tokens (from the engine)", capacity)
 
-    def use_fleet(self, fleet: Callable[[], FleetMap | None], self_name: str | None = None) -> None:
-        """Serve alternatives on pressure refusals and ``GET /v1/zerolayer/map`` from ``fleet()``,
-        a non-blocking snapshot (the node agent's :meth:`~zerolayer.runtime.gossip.hook.NodeAgent.fleet`)."""
-        self.app.alternatives = lambda session: alternatives_header(fleet(), session, self_name=self_name)
-
-        def document() -> bytes | None:
-            current = fleet()
-            return render_map_document(current) if current is not None else None
-        self.app.map_document = document
-
     def replace_tenants(self, tenants: Sequence[Tenant]) -> None:
         """Apply new tenants and quotas without a restart."""
         self.tenants.replace(tenants)
@@ -182,12 +194,11 @@ class RuntimeServer:
     # ------------------------------------------------------------------ scheduler hooks
     def preempt(self, stream_key: str, code: ErrorCode, reason: str = "manual") -> bool:
         """Stop a stream: SSE error event + RST_STREAM (or an error status if nothing was sent), engine abort."""
-        ok = self.app.preempt(stream_key, code, reason)
-        return ok
+        return self.app.preempt(stream_key, code, reason)
 
     async def sample_once(self) -> Sequence[Preemption]:
         """One telemetry sample: build ``Pressure``, ask the scheduler, preempt what it returns."""
-        running = [s.running() for s in self.app.streams.values() if s.started and not s.settled]
+        running = self.app.sessions.running()
         stats = self.engine.stats()
         now = time.monotonic()
         pressure: Pressure | None

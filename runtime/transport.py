@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from zerolayer.contract import H2_CANCEL
 from zerolayer.runtime.limits import Limits
-from zerolayer.runtime.protocol.events import ConnectionEnded, Event, RequestReady, StreamAborted
+from zerolayer.runtime.protocol.events import ConnectionEnded, Event, RequestReady, StreamAborted, stream_key
 from zerolayer.runtime.protocol.h1conn import H1ServerCore
 from zerolayer.runtime.protocol.h2conn import PREFACE, H2ServerCore
 
@@ -103,7 +103,7 @@ class _Channel:
     def __init__(self, conn: "Connection", sid: int) -> None:
         self.conn = conn
         self.sid = sid
-        self.key = f"{conn.id}/{sid}"
+        self.key = stream_key(conn.id, sid)
         self.head_sent = False
         self.ended = False
 
@@ -237,9 +237,9 @@ class Connection(asyncio.Protocol):
                 sid = event.head.stream_id
                 task = loop.create_task(self._serve(sid, event))
                 self._tasks[sid] = task
-                self.app.attach(f"{self.id}/{sid}", task)
+                self.app.attach(stream_key(self.id, sid), task)
             elif isinstance(event, StreamAborted):
-                self.app.stream_aborted(f"{self.id}/{event.stream_id}")
+                self.app.stream_aborted(stream_key(self.id, event.stream_id))
                 task = self._tasks.pop(event.stream_id, None)
                 if task is not None:
                     task.cancel()
@@ -314,7 +314,7 @@ class Connection(asyncio.Protocol):
                 self.server.metrics.limit_hits.labels("write_timeout_s").inc()
                 core.reset(sid, H2_CANCEL)
                 self.flush()
-                raise StreamGone(f"stream {self.id}/{sid}: the peer read nothing for {timeout:g} s")
+                raise StreamGone(f"stream {stream_key(self.id, sid)}: the peer read nothing for {timeout:g} s")
             try:
                 await asyncio.wait_for(self._writable.wait(), left)
             except asyncio.TimeoutError:
@@ -324,7 +324,7 @@ class Connection(asyncio.Protocol):
                 deadline = loop.time() + timeout  # the peer took something: progress
             backlog, paused = now_backlog, self._paused
         if self.closed or not core.is_open(sid):
-            raise StreamGone(f"stream {self.id}/{sid} closed while writing")
+            raise StreamGone(f"stream {stream_key(self.id, sid)} closed while writing")
 
     # ------------------------------------------------------------------ timers and shutdown
     async def _keepalive(self) -> None:

@@ -1,17 +1,20 @@
-"""Wiring gossip and gpu-defragd's nudge into ``zerolayer runtime`` (the server owns nothing of this).
+"""The node agent around ``zerolayer runtime``: gossip, energy metering and gpu-defragd's nudge.
 
 ``add_gossip_arguments(parser)`` adds ``--node-name``, ``--kubeconfig`` and
-``--advertise-endpoint``; ``await start_node_agent(args, server)`` after ``server.start()``
-returns a :class:`NodeAgent` that
+``--advertise-endpoint``. The composition root (:mod:`zerolayer.runtime.compose`) builds a
+:class:`NodeAgent` *before* the server and hands the server what the agent provides, through
+its constructor: the GPU source (wrapped so the agent sees every sample), the energy metrics
+renderer and the fleet snapshot. After ``server.start()``, ``await agent.start(server)``
 
 - answers SIGUSR1 by releasing memory (:mod:`zerolayer.runtime.defrag.release`), always;
-- meters energy and cost per tenant and model on every GPU sample (:mod:`.energy`) and adds
-  ``zerolayer_energy_*`` to ``/metrics``, whenever the server has a GPU source;
+- meters energy and cost per tenant and model on every GPU sample (:mod:`.energy`), whenever
+  the server has a GPU source (``zerolayer_energy_*`` on ``/metrics``);
 - with ``--node-name``: publishes the GPU map into that InferenceNode's status and watches
   every InferenceNode, so :meth:`NodeAgent.fleet` gives the map for alternatives
   (:func:`zerolayer.gpumap.alternatives_header`) and the map endpoint
   (:func:`zerolayer.gpumap.render_map_document`).
 
+The agent reads the server (engine load, draining, open sessions) and never sets anything on it.
 ``await agent.stop()`` before the process exits publishes ``admitting: false`` once.
 """
 
@@ -23,11 +26,12 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 from zerolayer.gpumap import FleetMap, GpuMapError, GpuMapWatcher
+from zerolayer.runtime.gpu.api import GpuSource
 
-from . import attach_to_server, recording_source
+from . import RecordingSource, build_publisher
 from .energy import EnergyMeter, StreamUse
 from .errors import KubeApiError
 from .kube import NodeApi
@@ -69,7 +73,7 @@ def stream_uses(server: Any) -> list[StreamUse]:
     """The server's open streams as the energy meter sees them (read from the sampling thread:
     ``list()`` of the dict's values is one step under the GIL, and the fields are plain ints)."""
     out = []
-    for stream in list(server.app.streams.values()):
+    for stream in list(server.app.sessions.streams.values()):
         if stream.started and not stream.settled:
             out.append(StreamUse(stream.key, stream.ticket.tenant, stream.ticket.model,
                                  stream.prompt_tokens + stream.output_tokens))
@@ -86,56 +90,94 @@ def _adopt_price(meter: EnergyMeter | None, spec: Any) -> None:
                         meter.price_per_kwh)
 
 
-def _both(first: Any, second: Any) -> Any:
-    if second is None:
-        return first
-
-    def call() -> None:
-        first()
-        second()
-    return call
-
-
-def attach_energy_meter(server: Any) -> EnergyMeter | None:
-    """Meter energy per tenant and model on every GPU sample; add its metrics to ``/metrics``.
-
-    ``None`` without a GPU source. The metrics are appended to the server's existing extra
-    metrics (``server.app.render_extra_metrics``), which stays the server's to define.
-    """
-    from prometheus_client import generate_latest
-
-    recording = recording_source(server)
-    if recording is None:
-        return None
-    meter = EnergyMeter(price_per_kwh=float(os.environ.get("ZEROLAYER_ELECTRICITY_PRICE_PER_KWH", "0.15")))
-
-    def observe() -> None:
-        try:
-            meter.observe(recording.latest or (), time.monotonic(), stream_uses(server))
-        except Exception:  # metering must never break sampling (the scheduler depends on it)
-            log.exception("energy metering failed")
-
-    recording.on_sample = _both(observe, recording.on_sample) if recording.on_sample else observe
-    previous = server.app.render_extra_metrics
-    server.app.render_extra_metrics = lambda: previous() + generate_latest(meter.registry)
-    return meter
-
-
 class NodeAgent:
-    """The runtime's gossip publisher, fleet watcher and SIGUSR1 handler; see the module docstring."""
+    """The runtime's GPU-sample listener, energy meter, gossip publisher, fleet watcher and SIGUSR1
+    handler; see the module docstring. Build it before the server, start it after."""
 
-    def __init__(self, *, release: Any = None, publisher: GossipPublisher | None = None,
-                 watcher: GpuMapWatcher | None = None, api: NodeApi | None = None,
-                 meter: EnergyMeter | None = None) -> None:
-        self.meter = meter
-        self.release = release
-        self.publisher = publisher
-        self.watcher = watcher
-        self.api = api
+    def __init__(self, *, gpu_source: GpuSource | None = None, node_name: str | None = None,
+                 kubeconfig: str | None = None, advertise_endpoint: str | None = None,
+                 price_per_kwh: float = 0.15) -> None:
+        self.node_name = node_name
+        self.kubeconfig = kubeconfig
+        self.advertise_endpoint = advertise_endpoint
+        # The server samples through this wrapper: the agent sees each sample in the sampling thread.
+        self.gpu_source: RecordingSource | None = RecordingSource(gpu_source) if gpu_source is not None else None
+        self.meter: EnergyMeter | None = EnergyMeter(price_per_kwh=price_per_kwh) if gpu_source is not None else None
+        self.release: Any = None
+        self.publisher: GossipPublisher | None = None
+        self.watcher: GpuMapWatcher | None = None
+        self.api: NodeApi | None = None
+        self._server: Any = None
+        if self.gpu_source is not None:
+            self.gpu_source.on_sample = self._on_sample
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, gpu_source: GpuSource | None) -> "NodeAgent":
+        return cls(gpu_source=gpu_source, node_name=getattr(args, "node_name", None) or None,
+                   kubeconfig=getattr(args, "kubeconfig", None),
+                   advertise_endpoint=getattr(args, "advertise_endpoint", None),
+                   price_per_kwh=float(os.environ.get("ZEROLAYER_ELECTRICITY_PRICE_PER_KWH", "0.15")))
+
+    def extra_metrics(self) -> list[Callable[[], bytes]]:
+        """Renderers for the server's ``/metrics``: the energy meter's, when there is one."""
+        meter = self.meter
+        if meter is None:
+            return []
+        from prometheus_client import generate_latest
+
+        return [lambda: generate_latest(meter.registry)]
 
     def fleet(self) -> FleetMap | None:
         """The latest fleet map (never blocks); ``None`` without gossip."""
         return self.watcher.snapshot() if self.watcher is not None else None
+
+    def _on_sample(self) -> None:
+        """After each good GPU sample, in the sampling thread: meter first, then wake the publisher."""
+        server, meter = self._server, self.meter
+        if meter is not None and server is not None and self.gpu_source is not None:
+            try:
+                meter.observe(self.gpu_source.latest or (), time.monotonic(), stream_uses(server))
+            except Exception:  # metering must never break sampling (the scheduler depends on it)
+                log.exception("energy metering failed")
+        publisher = self.publisher
+        if publisher is not None:
+            publisher.notify()
+
+    async def start(self, server: Any) -> "NodeAgent":
+        """Start what was asked for around a started ``server``.
+
+        Without a usable Kubernetes configuration for ``node_name`` the server is stopped again and
+        :class:`~zerolayer.runtime.errors.ConfigError` is raised (the CLI prints it and exits).
+        """
+        from zerolayer.runtime.defrag.release import ReleaseOnSignal
+        from zerolayer.runtime.errors import ConfigError
+
+        self._server = server
+        self.release = ReleaseOnSignal(asyncio.get_running_loop(), server.engine).install()
+        name = self.node_name
+        if not name:
+            return self
+        try:
+            self.api = await asyncio.to_thread(NodeApi, kubeconfig=self.kubeconfig)
+        except KubeApiError as exc:
+            self.release.remove()
+            self.release = None
+            await server.stop()
+            raise ConfigError(f"--node-name {name}: {exc}") from exc
+        publisher = build_publisher(name, self.api, engine=server.engine, draining=lambda: server.draining,
+                                    recording=self.gpu_source, tick_s=server.sample_interval_s,
+                                    endpoint=self.advertise_endpoint,
+                                    on_spec=lambda spec: _adopt_price(self.meter, spec))
+        if not publisher.state.endpoint:
+            publisher.state.endpoint = advertised_endpoint(server.base_url, server.host, server.port)
+        self.publisher = publisher
+        publisher.start()
+        try:
+            self.watcher = GpuMapWatcher(kubeconfig=self.kubeconfig).start()
+        except GpuMapError as exc:  # the map is for alternatives only: gossip still works without it
+            log.warning("no fleet map (alternatives disabled): %s", exc)
+        log.info("gossip: publishing to InferenceNode %s as %s", name, publisher.state.endpoint)
+        return self
 
     async def stop(self) -> None:
         if self.release is not None:
@@ -146,43 +188,3 @@ class NodeAgent:
             await asyncio.to_thread(self.watcher.stop)
         if self.api is not None:
             self.api.close()
-
-
-async def start_node_agent(args: argparse.Namespace, server: Any) -> NodeAgent:
-    """Start what ``args`` asks for around a started ``server``.
-
-    Without a usable Kubernetes configuration for ``--node-name`` the server is stopped again and
-    :class:`~zerolayer.runtime.errors.ConfigError` is raised (the CLI prints it and exits).
-    """
-    from zerolayer.runtime.errors import ConfigError
-    from zerolayer.runtime.defrag.release import ReleaseOnSignal
-
-    loop = asyncio.get_running_loop()
-    release = ReleaseOnSignal(loop, server.engine).install()
-    meter = attach_energy_meter(server)
-    name = getattr(args, "node_name", None)
-    if not name:
-        return NodeAgent(release=release, meter=meter)
-    kubeconfig = getattr(args, "kubeconfig", None)
-    try:
-        api = await asyncio.to_thread(NodeApi, kubeconfig=kubeconfig)
-    except KubeApiError as exc:
-        release.remove()
-        await server.stop()
-        raise ConfigError(f"--node-name {name}: {exc}") from exc
-    recording = recording_source(server)
-    metering = recording.on_sample if recording is not None else None  # set by attach_energy_meter
-    publisher = attach_to_server(server, name, api, endpoint=getattr(args, "advertise_endpoint", None),
-                                 on_spec=lambda spec: _adopt_price(meter, spec))
-    if recording is not None:  # attach_to_server wired notify alone: the meter keeps its turn first
-        recording.on_sample = _both(metering, publisher.notify) if metering else publisher.notify
-    if not publisher.state.endpoint:
-        publisher.state.endpoint = advertised_endpoint(server.base_url, server.host, server.port)
-    publisher.start()
-    try:
-        watcher: GpuMapWatcher | None = GpuMapWatcher(kubeconfig=kubeconfig).start()
-    except GpuMapError as exc:  # the map is for alternatives only: gossip still works without it
-        log.warning("no fleet map (alternatives disabled): %s", exc)
-        watcher = None
-    log.info("gossip: publishing to InferenceNode %s as %s", name, publisher.state.endpoint)
-    return NodeAgent(release=release, publisher=publisher, watcher=watcher, api=api, meter=meter)

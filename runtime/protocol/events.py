@@ -68,3 +68,12 @@ class ConnectionEnded:
 
 
 Event = Union[RequestReady, StreamAborted, ConnectionEnded]
+
+
+def stream_key(conn_id: int, stream_id: int) -> str:
+    """The one name of a request across the runtime: ``"{connection}/{stream}"``.
+
+    The transport, the admission gate, the session table and the scheduler's ``Ticket.stream_key``
+    all use this; build it nowhere else.
+    """
+    return f"{conn_id}/{stream_id}"

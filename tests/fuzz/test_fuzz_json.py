@@ -18,8 +18,9 @@ from tests.fuzz.strategies import bodies
 from zerolayer.contract import ErrorCode
 from zerolayer.runtime.api import anthropic, openai
 from zerolayer.runtime.api.common import ChatRequest
-from zerolayer.runtime.app import error_response
+from zerolayer.runtime.api.wire import error_response
 from zerolayer.runtime.errors import RequestRefused
+from zerolayer.runtime.gate import WIRES
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 
@@ -49,7 +50,7 @@ def check_parse(api: str, body: bytes) -> None:
 
 def check_error_answer(api: str, refused: RequestRefused) -> None:
     """The answer the application sends for ``refused``: 4xx, the API's error JSON, not retryable."""
-    status, headers, body = error_response(api, refused)
+    status, headers, body = error_response(WIRES[api], refused)
     assert 400 <= status < 500, status
     head = dict(headers)
     assert head["x-zerolayer-error"] == refused.code.value and head["x-should-retry"] == "false"

@@ -45,14 +45,10 @@ async def test_one_forbidden_secret_does_not_freeze_the_other_tenants():
 
 
 class _Probe:
-    def close(self) -> None:
+    def emit(self, *event) -> None:  # type: ignore[no-untyped-def]
         pass
 
-
-class _Agent:
-    watcher = None
-
-    async def stop(self) -> None:
+    def close(self) -> None:
         pass
 
 
@@ -69,11 +65,11 @@ def test_runtime_with_one_forbidden_secret_starts_and_serves_the_healthy_tenants
         "models": [{"name": "m", "source": {"path": "/none"}}]}}
     monkeypatch.setattr(incluster, "KubeReader", lambda *a, **k: reader)
 
-    async def agent(args, server):  # type: ignore[no-untyped-def]
-        return _Agent()
+    async def no_gossip(self, server):  # type: ignore[no-untyped-def]
+        return self
 
-    monkeypatch.setattr(gossip_hook, "start_node_agent", agent)
-    monkeypatch.setattr(audit_hook, "attach_token_probe", lambda args, server: _Probe())
+    monkeypatch.setattr(gossip_hook.NodeAgent, "start", no_gossip)
+    monkeypatch.setattr(audit_hook, "open_token_probe", lambda args: _Probe())
     served: dict = {}
 
     async def serve_forever(self):  # type: ignore[no-untyped-def]

@@ -28,9 +28,8 @@ async def ask(peer: H2Peer, key: str) -> int:
 
 
 async def test_a_peer_guessing_keys_is_throttled_and_other_peers_are_not():
-    server = await runtime(limits=limits(auth_failure_burst=10, auth_failures_per_second=0.5))
     clock = Clock()
-    server.app.clock = clock
+    server = await runtime(limits=limits(auth_failure_burst=10, auth_failures_per_second=0.5), clock=clock)
     guesser = H2Peer(*connect(server, ("10.0.0.66", 1)))
     statuses = [await ask(guesser, f"sk-guess-{i}") for i in range(15)]
     assert statuses[:10] == [401] * 10

@@ -16,9 +16,8 @@ pytestmark = [pytest.mark.regression, pytest.mark.timeout(30)]
 
 
 async def test_a_reset_unary_request_bills_its_prompt_and_the_tokens_generated_so_far():
-    server = await runtime(engine=SyntheticEngine(output_tokens=200, tokens_per_second=100))
     billed: list[tuple] = []
-    server.app.token_sink = lambda *record: billed.append(record)
+    server = await runtime(engine=SyntheticEngine(output_tokens=200, tokens_per_second=100), token_sink=lambda *record: billed.append(record))
     conn, sock = connect(server)
     peer = H2Peer(conn, sock)
     sid = peer.request(chat_body(stream=False, max_tokens=200))
@@ -34,9 +33,8 @@ async def test_a_reset_unary_request_bills_its_prompt_and_the_tokens_generated_s
 
 
 async def test_a_completed_unary_request_is_billed_once():
-    server = await runtime(engine=SyntheticEngine(output_tokens=8))
     billed: list[tuple] = []
-    server.app.token_sink = lambda *record: billed.append(record)
+    server = await runtime(engine=SyntheticEngine(output_tokens=8), token_sink=lambda *record: billed.append(record))
     conn, sock = connect(server)
     peer = H2Peer(conn, sock)
     sid = peer.request(chat_body(stream=False, max_tokens=8))

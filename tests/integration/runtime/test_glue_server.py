@@ -79,9 +79,8 @@ def fleet() -> FleetMap:
 
 
 async def test_sdk_node_map_parses_the_map_the_runtime_serves():
-    async with start_runtime() as server:
-        snapshot = fleet()
-        server.use_fleet(lambda: snapshot, self_name="a")
+    snapshot = fleet()
+    async with start_runtime(fleet=lambda: snapshot, self_name="a") as server:
         url = f"{server.base_url}/v1/zerolayer/map"
         async with httpx.AsyncClient(http1=False, http2=True) as http:
             anonymous = await http.get(url)

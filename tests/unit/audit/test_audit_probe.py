@@ -109,23 +109,21 @@ def test_journal_source_resumes_from_committed_state(tmp_path):
 
 def test_runtime_hook_flags_and_sink(tmp_path, monkeypatch):
     import argparse
-    import types
 
     import pytest
 
-    from zerolayer.bpf.hook import add_audit_arguments, attach_token_probe
+    from zerolayer.bpf.hook import add_audit_arguments, open_token_probe
 
     monkeypatch.delenv("ZEROLAYER_AUDIT_SPOOL", raising=False)
     monkeypatch.delenv("ZEROLAYER_AUDIT_JOURNAL", raising=False)
     parser = argparse.ArgumentParser()
     add_audit_arguments(parser)
-    server = types.SimpleNamespace(app=types.SimpleNamespace(token_sink=None))
-    probe = attach_token_probe(parser.parse_args(["--audit-spool", str(tmp_path), "--audit-journal"]), server)
-    server.app.token_sink("acme", "r", "tiny", 3, 0, True)
+    probe = open_token_probe(parser.parse_args(["--audit-spool", str(tmp_path), "--audit-journal"]))
+    probe.emit("acme", "r", "tiny", 3, 0, True)  # the composition root hands probe.emit to the server
     assert probe.seq == 1 and probe.mode.endswith("journal") and probe.window_s == 0.05
     probe.close()
     with pytest.raises(SystemExit):
-        attach_token_probe(parser.parse_args(["--audit-journal"]), server)
+        open_token_probe(parser.parse_args(["--audit-journal"]))
 
 
 def test_pod_cgroups_finds_the_pod_level_cgroup_for_both_kubelet_drivers(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 
 from zerolayer.contract import ErrorCode
 from zerolayer.runtime.api import anthropic, openai
-from zerolayer.runtime.app import error_response
+from zerolayer.runtime.api.wire import error_response
+from zerolayer.runtime.gate import WIRES
 from zerolayer.runtime.errors import RequestRefused
 
 USER = [{"role": "user", "content": "hi"}]
@@ -35,7 +36,7 @@ def test_a_given_limit_below_one_is_a_400_naming_the_field(api, parse, field, va
     err = refused(parse, {"model": "m", "messages": USER, field: value})
     assert err.code is ErrorCode.INVALID_REQUEST
     assert err.message.startswith(f"{field}:") and repr(value) in err.message
-    status, _, body = error_response(api, err)
+    status, _, body = error_response(WIRES[api], err)
     assert status == 400 and field in json.loads(body)["error"]["message"]
 
 

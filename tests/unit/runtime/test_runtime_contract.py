@@ -9,7 +9,8 @@ import pytest
 
 from zerolayer import contract
 from zerolayer.contract import ERRORS, ErrorCode, Priority
-from zerolayer.runtime.app import error_response
+from zerolayer.runtime.api.wire import error_response
+from zerolayer.runtime.gate import WIRES
 from zerolayer.runtime.errors import RequestRefused
 from zerolayer.runtime.headers import parse_contract
 from zerolayer.runtime.scheduler.api import TenantPolicy
@@ -77,7 +78,7 @@ def test_tenants_are_found_by_key_hash_only():
 @pytest.mark.parametrize("code", list(ErrorCode))
 @pytest.mark.parametrize("api", ["anthropic", "openai"])
 def test_error_responses_follow_the_contract_table(code, api):
-    status, headers, body = error_response(api, RequestRefused(code, "why", retry_after_s=2.5))
+    status, headers, body = error_response(WIRES[api], RequestRefused(code, "why", retry_after_s=2.5))
     wire = ERRORS[code]
     h = dict(headers)
     assert status == wire.http_status

@@ -1,0 +1,341 @@
+"""A chat request's life from HEADERS to settle, and the table of those alive.
+
+:class:`StreamSession` starts from what the admission gate decided (:class:`~zerolayer.runtime.gate.Admitted`)
+and owns the rest: parse the body in its wire API, render the prompt, ``admit(stage="body")``
+with the exact token count, generate, write the answer (JSON or SSE), meter tokens, and
+**settle exactly once** — answered, refused, failed, preempted by the scheduler, or cancelled
+because the peer went away, including before its body arrived.
+
+:class:`SessionTable` holds the sessions by stream key and the services they use; it is what the
+transport's stream events (reset, connection lost, task attached) and the scheduler's
+preemptions reach. Errors before response headers become a status with the wire API's error
+body; after them, an SSE error event then RST_STREAM with the contract's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any, Callable, Protocol
+
+from zerolayer.contract import ERRORS, ErrorCode, Priority
+from zerolayer.runtime.api.common import ChatRequest
+from zerolayer.runtime.api.wire import StreamFrame, WireApi
+from zerolayer.runtime.channel import Channel, respond, send_error
+from zerolayer.runtime.engine.base import Engine, InputRejected, SamplingOptions
+from zerolayer.runtime.errors import EngineError, RequestRefused
+from zerolayer.runtime.gate import Admitted, Route, refusal, unknown_model
+from zerolayer.runtime.headers import RequestContract
+from zerolayer.runtime.metrics import RuntimeMetrics
+from zerolayer.runtime.scheduler.api import Reservation, RunningStream, Scheduler, Ticket
+from zerolayer.runtime.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+
+class TokenSink(Protocol):
+    """Metering (e.g. :meth:`zerolayer.bpf.probes.TokenProbe.emit`): called right after tokens were
+    handed to the transport for the client. Must not block."""
+
+    def __call__(self, tenant: str, request_id: str, model: str, input_tokens: int, output_tokens: int,
+                 first: bool) -> Any: ...
+
+
+class SessionTable:
+    """The open sessions by stream key, and what every session needs to run.
+
+    ``alternatives`` is the gate's (pressure refusals at body time carry it too).
+    """
+
+    def __init__(self, *, engine: Engine, scheduler: Scheduler, metrics: RuntimeMetrics,
+                 clock: Callable[[], float] = time.monotonic, token_sink: TokenSink | None = None,
+                 alternatives: Callable[[str | None], str | None] | None = None) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.clock = clock
+        self.token_sink = token_sink
+        self.alternatives = alternatives
+        self.streams: dict[str, StreamSession] = {}
+        self.engine_requests_started = 0  # every generate() call; tests assert resets never start work
+
+    def open(self, admitted: Admitted) -> "StreamSession":
+        """Register the session the gate admitted (it holds a reservation until settled)."""
+        session = StreamSession(self, admitted)
+        self.streams[session.key] = session
+        self.metrics.streams_active.set(len(self.streams))
+        return session
+
+    def running(self) -> list[RunningStream]:
+        """The scheduler's view of every session whose work began."""
+        return [s.running() for s in self.streams.values() if s.started and not s.settled]
+
+    def attach(self, key: str, task: asyncio.Task[Any]) -> None:
+        session = self.streams.get(key)
+        if session is not None:
+            session.task = task
+
+    def stream_aborted(self, key: str) -> None:
+        """The peer reset the stream or the connection went away."""
+        session = self.streams.get(key)
+        if session is not None:
+            session.abort()
+
+    def connection_lost(self, conn_id: int) -> None:
+        """The connection is gone: end every stream it carried."""
+        for session in [s for s in self.streams.values() if s.conn_id == conn_id]:
+            session.abort()
+
+    def preempt(self, key: str, code: ErrorCode, reason: str) -> bool:
+        """Stop a stream with ``code`` (SSE error + RST_STREAM, engine abort). False if unknown or over."""
+        session = self.streams.get(key)
+        return session is not None and session.preempt(code, reason)
+
+    def _closed(self, session: "StreamSession") -> None:
+        self.streams.pop(session.key, None)
+        self.metrics.streams_active.set(len(self.streams))
+
+
+class StreamSession:
+    """One chat request; see the module docstring. Its fields are what the scheduler and the
+    energy meter read (``running()``, token counts, ``started``/``settled``)."""
+
+    def __init__(self, table: SessionTable, admitted: Admitted) -> None:
+        assert admitted.tenant is not None and admitted.terms is not None and admitted.ticket is not None
+        self.table = table
+        self.key = admitted.key
+        self.conn_id = admitted.conn_id
+        self.route: Route = admitted.route
+        self.wire: WireApi = admitted.route.wire
+        self.tenant: Tenant = admitted.tenant
+        self.contract: RequestContract = admitted.terms
+        self.ticket: Ticket = admitted.ticket
+        self.arrived = admitted.arrived
+        self.reservation: Reservation | None = admitted.reservation
+        self.task: asyncio.Task[Any] | None = None
+        self.started = False  # run() began
+        self.engine_request: str | None = None  # set once engine work started, cleared when it ended
+        self.first_token_sent = False
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.preempted: tuple[ErrorCode, str] | None = None
+        self.settled = False
+
+    def running(self) -> RunningStream:
+        return RunningStream(self.key, self.ticket.priority, self.prompt_tokens + self.output_tokens,
+                             self.contract.effective_deadline(self.first_token_sent))
+
+    # ------------------------------------------------------------------ the body arrived
+    async def run(self, channel: Channel, body: bytes) -> None:
+        """Serve the request on ``channel``; settles before returning, however it ends."""
+        if self.settled:
+            # Preempted while its body was still arriving: nothing ran, answer with the code now.
+            code, reason = self.preempted or (ErrorCode.INTERNAL_ERROR, "settled")
+            await send_error(channel, self.table.metrics, self.wire, _stopped(code, reason), self.route.name)
+            return
+        self.started = True
+        task = asyncio.current_task()
+        if self.task is None:
+            self.task = task
+        try:
+            await self._generate(channel, body)
+        except RequestRefused as refused:
+            await self._fail(channel, refused)
+        except InputRejected as exc:
+            await self._fail(channel, RequestRefused(ErrorCode.INVALID_REQUEST, str(exc), reason="input_rejected"))
+        except EngineError as exc:
+            # The engine's own text stays in the log: it may name internals (paths, other requests).
+            log.warning("engine error on %s: %s", self.key, exc)
+            await self._fail(channel, RequestRefused(ErrorCode.INTERNAL_ERROR, "the engine failed on this request",
+                                                     reason="engine"))
+        except asyncio.CancelledError:
+            if self.preempted is None:
+                raise  # the client went away or the connection closed: nobody to answer
+            if task is not None:
+                task.uncancel()
+            code, reason = self.preempted
+            self.table.metrics.preemptions.labels(code.value, reason).inc()
+            await self._fail(channel, _stopped(code, reason), preempted=True)
+        finally:
+            await self._finish()
+
+    async def _generate(self, channel: Channel, body: bytes) -> None:
+        table = self.table
+        engine = table.engine
+        request = self.wire.parse(body)
+        if request.model not in engine.models:
+            raise unknown_model(request.model, engine.models)
+        priority = self.ticket.priority
+        if request.priority is not None and not self.contract.priority_given:
+            priority = Priority.parse(request.priority)
+        prompt = await engine.render(request.model, request.messages)
+        self._check_context(request, prompt.token_count)
+        self.prompt_tokens = prompt.token_count
+        self.ticket = dataclasses.replace(self.ticket, model=request.model, priority=priority,
+                                          prompt_tokens=prompt.token_count, max_tokens=request.max_tokens)
+        admission = table.scheduler.admit(self.ticket, table.clock(), stage="body")
+        if not admission.admitted:
+            self.reservation = None  # the scheduler released the HEADERS reservation itself
+            raise refusal(admission, self.ticket.session, table.alternatives)
+        self.reservation = admission.reservation or self.reservation
+        engine_priority = getattr(admission, "engine_priority", None)
+        if engine_priority is None:
+            engine_priority = int(priority)
+        deadline = self.contract.effective_deadline(False)
+        if deadline is not None and table.clock() >= deadline:
+            raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline passed before generation started",
+                                 reason="deadline_before_start")
+        options = SamplingOptions(request.max_tokens, request.temperature, request.top_p, request.stop, request.seed)
+        request_id = f"{self.wire.id_prefix}_{uuid.uuid4().hex[:24]}"
+        self.engine_request = request_id
+        table.engine_requests_started += 1
+        deltas = engine.generate(prompt, options, request_id, engine_priority)
+        head = [("x-request-id", request_id), *admission.headers.items()]
+        frame = StreamFrame(request_id, int(time.time()), request)
+        tenant = self.tenant.name
+        table.metrics.tokens.labels(tenant, "prompt").inc(prompt.token_count)
+        if request.stream:
+            await self._stream(channel, frame, deltas, head)
+        else:
+            await self._complete(channel, frame, deltas, head)
+        table.metrics.tokens.labels(tenant, "completion").inc(self.output_tokens)
+        self.engine_request = None  # finished: nothing to abort
+
+    def _check_context(self, request: ChatRequest, prompt_tokens: int) -> None:
+        """A prompt that fills the model's context, or a ``max_tokens`` beyond it, is the client's
+        mistake (400), not an engine failure: say so before any engine work starts."""
+        context = getattr(self.table.engine, "max_model_len", None)
+        if not context:
+            return
+        if prompt_tokens >= context:
+            raise RequestRefused(ErrorCode.INVALID_REQUEST,
+                                 f"the prompt is {prompt_tokens} tokens; {request.model} takes at most {context} "
+                                 "tokens of prompt and output together", reason="prompt_too_long")
+        if request.max_tokens > context:
+            raise RequestRefused(ErrorCode.INVALID_REQUEST,
+                                 f"max_tokens {request.max_tokens} is more than {request.model}'s context of "
+                                 f"{context} tokens", reason="max_tokens_over_context")
+
+    def _first_token(self) -> None:
+        self.first_token_sent = True
+        self.table.metrics.ttft.observe(self.table.clock() - self.arrived)
+
+    async def _complete(self, channel: Channel, frame: StreamFrame, deltas: Any,
+                        head: list[tuple[str, str]]) -> None:
+        try:
+            parts: list[str] = []
+            finish = "stop"
+            async for delta in deltas:
+                if not self.first_token_sent and delta.token_count:
+                    self._first_token()
+                self.output_tokens += delta.token_count
+                parts.append(delta.text)
+                finish = delta.finish_reason or finish
+            body = self.wire.completion(frame, "".join(parts), finish, self.prompt_tokens, self.output_tokens)
+            await respond(channel, self.table.metrics, 200, [("content-type", "application/json"), *head], body,
+                          self.route.name)
+        finally:
+            # Metered once however it ends: answered, cancelled by the client or the scheduler, or
+            # failed. The engine did the prefill and the tokens generated so far either way.
+            sink = self.table.token_sink
+            if sink is not None:
+                sink(self.tenant.name, frame.request_id, frame.request.model, self.prompt_tokens,
+                     self.output_tokens, True)
+
+    async def _stream(self, channel: Channel, frame: StreamFrame, deltas: Any, head: list[tuple[str, str]]) -> None:
+        wire, model, rid = self.wire, frame.request.model, frame.request_id
+        await channel.send_head(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache"), *head])
+        self.table.metrics.requests.labels(self.route.name, "200").inc()
+        await channel.send(wire.stream_start(frame, self.prompt_tokens))
+        sink = self.table.token_sink
+        tenant = self.tenant.name
+        if sink is not None:
+            sink(tenant, rid, model, self.prompt_tokens, 0, True)
+        finish = "stop"
+        async for delta in deltas:
+            if delta.token_count and not self.first_token_sent:
+                self._first_token()
+            self.output_tokens += delta.token_count
+            if delta.finish_reason:
+                finish = delta.finish_reason
+            if delta.text:
+                await channel.send(wire.stream_delta(frame, delta.text))
+            if sink is not None and delta.token_count:
+                sink(tenant, rid, model, 0, delta.token_count, False)
+        await channel.end(wire.stream_end(frame, finish, self.prompt_tokens, self.output_tokens))
+
+    # ------------------------------------------------------------------ ends
+    async def _fail(self, channel: Channel, refused: RequestRefused, preempted: bool = False) -> None:
+        metrics = self.table.metrics
+        if not preempted:
+            metrics.refusals.labels(refused.code.value, refused.reason).inc()
+        if not channel.head_sent:
+            await send_error(channel, metrics, self.wire, refused, self.route.name)
+            return
+        # Mid-stream: an SSE error event the SDKs understand, then RST_STREAM with the contract's code.
+        try:
+            await asyncio.wait_for(channel.send(self.wire.stream_error(refused.code, refused.message)), 1.0)
+        except (asyncio.TimeoutError, ConnectionError):
+            pass  # a reader too slow to take the error event still gets the reset
+        channel.reset(ERRORS[refused.code].rst_code)
+
+    async def _finish(self) -> None:
+        """Settle exactly once (idempotent), then abort unfinished engine work.
+
+        Settling comes first and without an await: the connection going away cancels this task a
+        second time (``connection_lost`` after ``eof_received``, or RST_STREAM then FIN), and that
+        cancel lands on the first await here. Anything after it must not be bookkeeping.
+        """
+        request_id, self.engine_request = self.engine_request, None
+        self.settle()
+        if request_id is not None:
+            try:
+                await asyncio.shield(self.table.engine.abort(request_id))
+            except EngineError as exc:
+                log.warning("engine abort of %s failed: %s", request_id, exc)
+
+    def settle(self) -> None:
+        """Leave the table and give the reservation back with the tokens used. Runs once."""
+        if self.settled:
+            return
+        self.settled = True
+        table = self.table
+        table._closed(self)
+        if self.reservation is not None:
+            table.scheduler.settle(self.reservation, self.prompt_tokens + self.output_tokens, table.clock())
+
+    def abort(self) -> None:
+        """The peer reset the stream or its connection went away."""
+        if self.settled:
+            return
+        if self.task is not None and self.started:
+            if self.task.cancelling():
+                return  # already being stopped (the peer's reset, then its FIN): one cancel is enough
+            self.task.cancel()  # its finally settles and aborts engine work
+        else:
+            if self.task is not None:
+                self.task.cancel()  # never ran: the coroutine body (and its finally) will not run
+            self.settle()
+
+    def preempt(self, code: ErrorCode, reason: str) -> bool:
+        """Stop with ``code`` (SSE error + RST_STREAM, engine abort). False if already over or stopping."""
+        if self.settled or self.preempted is not None:
+            return False
+        self.preempted = (code, reason)
+        if self.task is not None and self.started:
+            self.task.cancel()
+        else:
+            # Body still arriving: nothing started. The transport answers when the body completes.
+            if self.task is not None:
+                self.task.cancel()
+            self.table.metrics.preemptions.labels(code.value, reason).inc()
+            self.settle()
+        return True
+
+
+def _stopped(code: ErrorCode, reason: str) -> RequestRefused:
+    return RequestRefused(code, f"stream stopped by the scheduler: {reason}", reason=reason,
+                          retry_after_s=1.0 if ERRORS[code].retryable else None)

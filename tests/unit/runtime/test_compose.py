@@ -1,0 +1,92 @@
+"""The composition root wires sinks and sources through constructors; ``listen.reuse_port``.
+
+Real parts throughout: the synthetic engine, the simulated GPU source, the token probe without
+a spool (USDT only), the node agent without ``--node-name`` (no Kubernetes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import socket
+
+import pytest
+
+from zerolayer.bpf.hook import add_audit_arguments
+from zerolayer.runtime.compose import compose
+from zerolayer.runtime.config import parse_config
+from zerolayer.runtime.errors import ConfigError
+from zerolayer.runtime.gossip.hook import add_gossip_arguments
+from zerolayer.runtime.gossip.publisher import RecordingSource
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+def cli_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_gossip_arguments(parser)
+    add_audit_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_compose_hands_the_probe_and_the_agent_to_the_server(monkeypatch):
+    monkeypatch.delenv("ZEROLAYER_NODE_NAME", raising=False)
+    monkeypatch.delenv("ZEROLAYER_AUDIT_SPOOL", raising=False)
+    monkeypatch.delenv("ZEROLAYER_AUDIT_JOURNAL", raising=False)
+    config = parse_config({"gpu": {"source": "simulated", "memory": 0.4}}, REPO, environ={})
+    runtime = compose(config, cli_args(), port=0)
+    server, agent, probe = runtime.server, runtime.agent, runtime.probe
+    assert agent is not None and probe is not None
+    try:
+        # The agent sees every GPU sample the server takes: the server samples through its wrapper.
+        assert isinstance(server.gpu_source, RecordingSource) and server.gpu_source is agent.gpu_source
+        assert server.app.sessions.token_sink == probe.emit
+        # The energy meter's series are on /metrics without anyone patching the app.
+        assert b"zerolayer_energy" in server.app.render_metrics()
+        assert agent.node_name is None and server.app.admission.alternatives is None  # no gossip, no fleet
+    finally:
+        probe.close()
+
+
+def test_compose_without_args_builds_a_bare_server():
+    config = parse_config({}, REPO, environ={})
+    runtime = compose(config, port=0)
+    assert runtime.agent is None and runtime.probe is None
+    assert runtime.server.app.sessions.token_sink is None and runtime.server.gpu_source is None
+
+
+def test_listen_reuse_port_parses_and_is_checked():
+    assert parse_config({"listen": {"reuse_port": True}}, REPO, environ={}).reuse_port is True
+    assert parse_config({}, REPO, environ={}).reuse_port is False
+    with pytest.raises(ConfigError, match="listen.reuse_port"):
+        parse_config({"listen": {"reuse_port": "yes"}}, REPO, environ={})
+
+
+@pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="no SO_REUSEPORT on this platform")
+async def test_two_runtimes_share_a_port_with_reuse_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = parse_config({"listen": {"port": port, "reuse_port": True}}, REPO, environ={})
+    first, second = compose(config).server, compose(config).server
+    await first.start()
+    try:
+        await second.start()
+        try:
+            assert first.port == second.port == port
+        finally:
+            await second.stop(drain_timeout_s=0)
+    finally:
+        await first.stop(drain_timeout_s=0)
+
+
+async def test_without_reuse_port_a_second_runtime_cannot_bind():
+    config = parse_config({"listen": {"port": 0}}, REPO, environ={})
+    first = compose(config).server
+    await first.start()
+    try:
+        taken = parse_config({"listen": {"port": first.port}}, REPO, environ={})
+        with pytest.raises(OSError):
+            await compose(taken).server.start()
+    finally:
+        await first.stop(drain_timeout_s=0)
