@@ -31,6 +31,10 @@ ENV = {
     "api_server_cidrs": "ZEROLAYER_API_SERVER_CIDRS",
     "api_server_ports": "ZEROLAYER_API_SERVER_PORTS",
     "resync_seconds": "ZEROLAYER_RESYNC_SECONDS",
+    "retry_seconds": "ZEROLAYER_RETRY_SECONDS",
+    "leader_election": "ZEROLAYER_LEADER_ELECTION",
+    "lease_name": "ZEROLAYER_LEASE_NAME",
+    "lease_seconds": "ZEROLAYER_LEASE_SECONDS",
 }
 
 
@@ -48,7 +52,15 @@ class OperatorConfig:
     ``tenant_secret_namespaces``: namespaces a TenantQuota's ``apiKeySecretRef`` may name
     besides the tenant's own ``spec.namespaces`` and the runtime namespace.
     ``operator_namespace`` is where the operator's own pod runs (its NetworkPolicy peer).
-    ``resync_seconds`` bounds how long drift (a deleted child, a removed label) survives.
+    ``resync_seconds``: the period of the one full resync (every InferenceNode and TenantQuota
+    re-read from the API server and reconciled), jittered by up to ``resync_jitter`` of it so that
+    replicas and restarts do not line up. Drift the watches see (a child deleted or edited, a
+    node label removed) is repaired at once, not at the resync: the resync only bounds drift no
+    watch can see, so it is hours, not seconds.
+    ``retry_seconds``: how soon an object that waits for something outside the operator (its
+    Node, its Secret, a child name held by another object) is looked at again.
+    ``leader_election``: hold the Lease ``lease_name`` in ``operator_namespace`` before acting
+    (see operator/leader.py); ``lease_seconds`` is how long a dead leader holds it.
     """
 
     runtime_namespace: str = "zerolayer-system"
@@ -66,7 +78,12 @@ class OperatorConfig:
     # Empty: any address except link-local (the cloud metadata endpoint), on 443 and 6443.
     api_server_cidrs: tuple[str, ...] = ()
     api_server_ports: tuple[int, ...] = (443, 6443)
-    resync_seconds: float = 30.0
+    resync_seconds: float = 3 * 3600.0
+    resync_jitter: float = 0.2
+    retry_seconds: float = 30.0
+    leader_election: bool = True
+    lease_name: str = "zerolayer-operator"
+    lease_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         for field in ("runtime_namespace", "operator_namespace"):
@@ -101,6 +118,14 @@ class OperatorConfig:
             raise ConfigError("runtime resources must be an object with only 'requests' and 'limits'")
         if self.resync_seconds <= 0:
             raise ConfigError(f"resync interval must be positive, got {self.resync_seconds}")
+        if not 0 <= self.resync_jitter < 1:
+            raise ConfigError(f"resync jitter must be in [0, 1), got {self.resync_jitter}")
+        if self.retry_seconds <= 0:
+            raise ConfigError(f"retry interval must be positive, got {self.retry_seconds}")
+        if self.lease_seconds < 3:
+            raise ConfigError(f"lease duration must be at least 3 s, got {self.lease_seconds}")
+        if not _DNS_LABEL.match(self.lease_name or ""):
+            raise ConfigError(f"lease name {self.lease_name!r} is not a valid object name")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> "OperatorConfig":
@@ -113,8 +138,12 @@ class OperatorConfig:
             try:
                 if field in ("runtime_port", "runtime_metrics_port"):
                     values[field] = int(raw)
-                elif field == "resync_seconds":
+                elif field in ("resync_seconds", "retry_seconds", "lease_seconds"):
                     values[field] = float(raw)
+                elif field == "leader_election":
+                    if raw.lower() not in ("true", "false", "1", "0"):
+                        raise ValueError("use true or false")
+                    values[field] = raw.lower() in ("true", "1")
                 elif field == "runtime_resources":
                     values[field] = json.loads(raw)
                 elif field == "api_server_ports":

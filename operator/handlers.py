@@ -1,12 +1,15 @@
 """Thin kopf handlers: translate kopf's callbacks into :class:`~.reconcile.Reconciler` calls
 and our errors into kopf's retry semantics. No logic lives here.
 
-What triggers a reconcile of an InferenceNode:
-- create / spec update / operator start (resume), and a timer every ``resync_seconds``
-  (drift of anything not watched, e.g. a hand-edited child);
-- a child's deletion, a change of its DaemonSet's readiness, its Node appearing or losing
-  a label, its first fresh heartbeat (prompt repair instead of waiting for the timer).
-TenantQuotas: create / update / resume, a timer, and a child's deletion.
+Reconciles are driven by watches, never by per-object timers:
+- an InferenceNode or TenantQuota: create, spec update, operator start (resume);
+- a child (DaemonSet, Service, ServiceAccount, NetworkPolicy, Role, RoleBinding, ClusterRole,
+  ClusterRoleBinding): its deletion, an edit that makes it differ from what the operator last
+  applied (``Kube.drifted``), a change of the DaemonSet's readiness;
+- a Node: appearing, disappearing or losing its label; an InferenceNode's first fresh heartbeat.
+A converged, idle fleet therefore costs nothing but the watches themselves and the leader's
+Lease renewals. One full resync (``Reconciler.resync_forever``: every ``resync_seconds``,
+hours, jittered) re-reads everything from the API server to bound drift no watch could see.
 """
 
 from __future__ import annotations
@@ -22,14 +25,19 @@ from zerolayer.operator.config import OperatorConfig
 from zerolayer.operator.errors import KubeError, SpecError
 from zerolayer.operator.kube import Credentials, Kube
 from zerolayer.operator.metrics import OperatorMetrics
+from zerolayer.operator.reconcile import TQUOTA as TQUOTA_KIND
 from zerolayer.operator.reconcile import Reconciler, WaitingFor
 
 _INODE = {"group": m.GROUP, "version": m.VERSION, "plural": "inferencenodes"}
 _TQUOTA = {"group": m.GROUP, "version": m.VERSION, "plural": "tenantquotas"}
 OURS = {"app.kubernetes.io/managed-by": "zerolayer-operator"}
 FINALIZER = "zerolayer.io/finalizer"
+# How soon a TenantQuota reconcile notices that Cilium was installed (the operator may only get
+# CRDs, not watch them). Idle, nothing reconciles, so this costs nothing then.
+CRD_CACHE_SECONDS = 30.0
 # Kinds whose every event reaches Kube.observe below (namespaced ones in the runtime namespace).
-WATCHED_KINDS = (("v1", "Node", False), ("v1", "Service", True), ("v1", "ServiceAccount", True),
+WATCHED_KINDS = ((m.API_VERSION, "InferenceNode", False), (m.API_VERSION, "TenantQuota", False),
+                 ("v1", "Node", False), ("v1", "Service", True), ("v1", "ServiceAccount", True),
                  ("apps/v1", "DaemonSet", True), ("networking.k8s.io/v1", "NetworkPolicy", True),
                  ("rbac.authorization.k8s.io/v1", "Role", True), ("rbac.authorization.k8s.io/v1", "RoleBinding", True),
                  ("rbac.authorization.k8s.io/v1", "ClusterRole", False),
@@ -75,7 +83,6 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
     INODE = {**_INODE, "labels": dict(selector)} if selector else _INODE
     TQUOTA = {**_TQUOTA, "labels": dict(selector)} if selector else _TQUOTA
     metrics = metrics or OperatorMetrics()
-    interval = config.resync_seconds
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -86,7 +93,9 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
             prefix="zerolayer.io", key="last-handled-configuration")
         # Our events tell the story; kopf's own "Handler succeeded" events would drown it.
         settings.posting.level = logging.WARNING
-        settings.watching.server_timeout = 300
+        # Each watch is re-opened when the server ends it; at 30 min the dozen watches cost about
+        # one request every 150 s while idle (the API server's own cap is 30-60 min by default).
+        settings.watching.server_timeout = 1800
         # The runtime namespace is one exact name and the CRDs are installed before the operator
         # (by the chart): no need to list namespaces or watch CRDs for new resources, so the
         # operator's RBAC needs neither.
@@ -95,12 +104,13 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         settings.execution.max_workers = 4
         credentials = await asyncio.to_thread(Credentials.load, kubeconfig)  # reads files
         kube = Kube(credentials, on_request=metrics.on_request,
-                    crd_cache_seconds=config.resync_seconds)
+                    crd_cache_seconds=min(config.resync_seconds, CRD_CACHE_SECONDS))
         ns = config.runtime_namespace
         for api_version, kind, namespace in WATCHED_KINDS:
             kube.watch(api_version, kind, ns if namespace else None)
         memo.reconciler = Reconciler(kube, config, observe=metrics.observe, selector=selector)
         memo.ready_seen = {}
+        memo.resync = asyncio.create_task(memo.reconciler.resync_forever(), name="full resync")
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -110,6 +120,8 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
+        memo.resync.cancel()
+        await asyncio.gather(memo.resync, return_exceptions=True)
         await memo.reconciler.kube.close()
 
     @kopf.on.probe(id="reconciles", registry=registry)
@@ -125,10 +137,6 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
     async def inference_node_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         await run(memo.reconciler.reconcile_inference_node(plain(body)))
 
-    @kopf.timer(**INODE, interval=interval, initial_delay=interval, registry=registry)
-    async def inference_node_resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        await run(memo.reconciler.reconcile_inference_node(plain(body)))
-
     @kopf.on.delete(**INODE, registry=registry)
     async def inference_node_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         await run(memo.reconciler.delete_inference_node(plain(body)))
@@ -136,6 +144,7 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
     @kopf.on.event(**INODE, registry=registry)
     async def inference_node_heartbeat(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo,
                                        **_: Any) -> None:
+        memo.reconciler.kube.observe(event.get("type"), plain(body))  # by-name reconciles read the cache
         # Only the first fresh heartbeat (GossipFresh not yet True) needs a prompt reconcile;
         # later heartbeats change nothing the operator writes.
         status = body.get("status") or {}
@@ -153,13 +162,20 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         previous = {"spec": plain(old)} if old else None  # with field="spec", old/new are the specs
         await run(memo.reconciler.reconcile_tenant_quota(plain(body), previous))
 
-    @kopf.timer(**TQUOTA, interval=interval, initial_delay=interval, registry=registry)
-    async def tenant_quota_resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        await run(memo.reconciler.reconcile_tenant_quota(plain(body)))
+    @kopf.on.event(**TQUOTA, registry=registry)
+    async def tenant_quota_seen(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        memo.reconciler.kube.observe(event.get("type"), plain(body))  # by-name reconciles read the cache
 
     @kopf.on.delete(**TQUOTA, registry=registry)
     async def tenant_quota_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         await run(memo.reconciler.delete_tenant_quota(plain(body)))
+
+    @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", registry=registry,
+                   when=lambda name, **_: name == m.CILIUM_CRD)
+    async def cilium_changed(event: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
+        # Cilium installed or removed: every TenantQuota's policy changes kind (L7 or plain).
+        if memo.reconciler.kube.note_crd(m.CILIUM_CRD, event.get("type") != "DELETED"):
+            await memo.reconciler.reconcile_every(TQUOTA_KIND)
 
     # ------------------------------------------------------------ children and nodes
     async def reconcile_owner(owner: tuple[str, str] | None, memo: kopf.Memo) -> None:
@@ -171,11 +187,14 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         elif kind == "TenantQuota":
             await run(memo.reconciler.reconcile_tenant_quota_by_name(name))
 
-    def child_deleted(group: str, version: str, plural: str) -> None:
-        @kopf.on.event(group, version, plural, labels=OURS, id=f"{plural}-deleted", registry=registry)
-        async def _deleted(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-            memo.reconciler.kube.observe(event.get("type"), plain(body))
-            if event.get("type") == "DELETED":
+    def child_changed(group: str, version: str, plural: str) -> None:
+        @kopf.on.event(group, version, plural, labels=OURS, id=f"{plural}-changed", registry=registry)
+        async def _changed(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+            obj = plain(body)
+            memo.reconciler.kube.observe(event.get("type"), obj)
+            # Deleted (or no longer labelled ours, which a label-filtered watch reports as a
+            # deletion), or edited away from what we applied: repair it now.
+            if event.get("type") == "DELETED" or memo.reconciler.kube.drifted(obj):
                 await reconcile_owner(_owner(body), memo)
 
     for group, version, plural in (("", "v1", "services"), ("", "v1", "serviceaccounts"),
@@ -184,11 +203,15 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
                                    ("rbac.authorization.k8s.io", "v1", "clusterrolebindings"),
                                    ("rbac.authorization.k8s.io", "v1", "roles"),
                                    ("rbac.authorization.k8s.io", "v1", "rolebindings")):
-        child_deleted(group, version, plural)
+        child_changed(group, version, plural)
 
     @kopf.on.event("apps", "v1", "daemonsets", labels=OURS, registry=registry)
     async def runtime_changed(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        memo.reconciler.kube.observe(event.get("type"), plain(body))
+        obj = plain(body)
+        memo.reconciler.kube.observe(event.get("type"), obj)
+        if memo.reconciler.kube.drifted(obj):
+            await reconcile_owner(_owner(body), memo)
+            return
         status = body.get("status") or {}
         seen = (status.get("desiredNumberScheduled"), status.get("numberReady"),
                 status.get("updatedNumberScheduled"), status.get("observedGeneration"))

@@ -6,10 +6,10 @@ the in-cluster service account, loaded once with the ``kubernetes`` package's lo
 Errors are converted here: every failure leaves this module as a
 :class:`~zerolayer.operator.errors.KubeError` (``NotFound``, ``Conflict`` or the base).
 
-Idempotency lives here too: :meth:`Kube.ensure` reads first, creates only what is missing,
-treats ``409 AlreadyExists`` as "someone (an earlier attempt of ours) made it: read and
-compare", and patches only when the object differs from what we want. Re-running a
-reconcile against a converged cluster therefore makes reads only.
+Idempotency lives here too: :meth:`Kube.ensure` compares the wanted object with what the
+watches last saw and writes only when they differ, with one server-side apply under the
+field manager ``zerolayer-operator`` (create or update in one request, no read first).
+Re-running a reconcile against a converged cluster therefore makes no request at all.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ KINDS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("v1", "ServiceAccount"): ("/api/v1", "serviceaccounts", True),
     ("v1", "Service"): ("/api/v1", "services", True),
     ("v1", "Event"): ("/api/v1", "events", True),
+    ("coordination.k8s.io/v1", "Lease"): ("/apis/coordination.k8s.io/v1", "leases", True),
     ("apps/v1", "DaemonSet"): ("/apis/apps/v1", "daemonsets", True),
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"):
@@ -60,6 +61,8 @@ KINDS: dict[tuple[str, str], tuple[str, str, bool]] = {
 }
 
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # JSON is YAML: server-side apply takes a JSON body
+FIELD_MANAGER = "zerolayer-operator"
 EVENT_NAMESPACE_FOR_CLUSTER_OBJECTS = "default"  # where kubectl looks for events of cluster-scoped objects
 
 
@@ -193,6 +196,8 @@ class Kube:
         # removed; entries are re-read after this long so even that drift is bounded.
         self.cache_seconds = 300.0
         self._watched: set[tuple[str, str, str | None]] = set()
+        # What ensure() last wanted of each object (its comparable part), for drifted().
+        self._desired: dict[tuple[str, str, str | None, str], dict] = {}
         self._crd_cache_seconds = crd_cache_seconds
         self.identity = identity or socket.gethostname()
 
@@ -211,7 +216,18 @@ class Kube:
     async def request(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
                       query: Mapping[str, str] | None = None) -> dict:
         """One API request; returns the decoded JSON body or raises a KubeError."""
+        return (await self.send(method, path, body=body, content_type=content_type, query=query))[1]
+
+    async def send(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
+                   query: Mapping[str, str] | None = None) -> tuple[int, dict]:
+        """One API request; returns (HTTP status, decoded JSON body) or raises a KubeError.
+
+        Writes carry ``fieldManager=zerolayer-operator``, so ``managedFields`` name the operator."""
+        if method in ("POST", "PATCH", "PUT"):
+            query = {"fieldManager": FIELD_MANAGER, **(query or {})}
         verb = {"GET": "get", "POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+        if method == "PATCH" and content_type == APPLY_PATCH:
+            verb = "apply"
         resource = resource_of(path)
         headers = {"Accept": "application/json", **self._credentials.headers()}
         data = None
@@ -229,7 +245,7 @@ class Kube:
                 from exc
         self._on_request(verb, resource, code)
         if 200 <= code < 300:
-            return json.loads(text) if text else {}
+            return code, (json.loads(text) if text else {})
         reason, message = "", text[:500]
         try:
             status = json.loads(text)
@@ -281,10 +297,8 @@ class Kube:
         never assumed from a watch that has not caught up.
         """
         key = (api_version, kind, namespace, name)
-        if cached and key in self._seen:
-            seen_at, obj = self._seen[key]
-            if time.monotonic() - seen_at < self.cache_seconds:
-                return copy.deepcopy(obj)
+        if cached and (obj := self.peek(key)) is not None:
+            return obj
         try:
             obj = await self.request("GET", path_of(api_version, kind, namespace, name))
         except NotFound:
@@ -306,26 +320,40 @@ class Kube:
         """Make the object match ``desired``; returns (``"created"``, ``"updated"`` or
         ``"unchanged"``, the object as the server has it now).
 
-        Fields the server or others add are left alone; fields we set are merge-patched
-        back when they differ (lists, such as a pod's containers, are replaced whole).
+        The watch-fed cache decides whether to write: an object the watches saw and that already
+        says everything ``desired`` says costs no request. Otherwise one server-side apply: if
+        the cache held the object, forced (the fields are ours; someone edited them by hand); if
+        it did not (not created yet, or the watches have not caught up after a start), not
+        forced, so a conflict with another field manager or another controller's object ends
+        in a read and the usual ownership check instead of a takeover. An apply that finds the
+        object already there and changes nothing answers 200 and reports ``"unchanged"``.
         """
         api_version, kind = desired["apiVersion"], desired["kind"]
         meta = desired["metadata"]
         name, namespace = meta["name"], meta.get("namespace")
         key = (api_version, kind, namespace, name)
-        current = await self.get(api_version, kind, name, namespace, cached=True)
+        owner_uid = next((r.get("uid") for r in meta.get("ownerReferences") or () if r.get("controller")), None)
+        want = _comparable(desired)
+        self._desired[key] = want
+        current = self.peek(key)
         if current is None:
             try:
-                created = await self.request("POST", path_of(api_version, kind, namespace), body=desired)
-                self._remember(key, created)
-                return "created", created
-            except Conflict:
-                # An earlier attempt (or a concurrent one) created it: compare instead.
+                code, obj = await self._apply(desired, force=False)
+                return ("created" if code == 201 else "unchanged"), obj
+            except NotFound:
+                # RBAC kinds refuse an apply that creates when the caller may not escalate (the
+                # API server answers 404 instead of creating): create them the classic way.
+                obj = await self.request("POST", path_of(api_version, kind, namespace), body=desired)
+                self._remember(key, obj)
+                return "created", obj
+            except KubeError as exc:
+                if exc.status not in (409, 422):
+                    raise
+                # A field another manager set differently (409), or another controller's object
+                # (422: two controller references): read it and decide as for a cached object.
                 current = await self.get(api_version, kind, name, namespace)
                 if current is None:
-                    raise KubeError(f"{kind} {name} exists and does not: it is being deleted", status=409,
-                                    reason="Conflict") from None
-        owner_uid = next((r.get("uid") for r in meta.get("ownerReferences") or () if r.get("controller")), None)
+                    raise
         other = manifests.foreign_controller(current, owner_uid)
         if other is not None:
             raise NotOwned(f"{kind} {name} is controlled by {other}; not adopting it", other)
@@ -333,17 +361,46 @@ class Kube:
             self._seen.pop(key, None)  # read it fresh next time
             raise KubeError(f"{kind} {name} is being deleted; will recreate it once it is gone", status=409,
                             reason="Conflict")
-        want = _comparable(desired)
         if is_subset(want, current):
             return "unchanged", current
-        try:
-            patched = await self.request("PATCH", path_of(api_version, kind, namespace, name), body=want,
-                                         content_type=MERGE_PATCH)
-        except NotFound:
-            self._seen.pop(key, None)  # the cache was behind a deletion: the next reconcile creates it
-            raise
-        self._remember(key, patched)
-        return "updated", patched
+        code, obj = await self._apply(desired, force=True)
+        return ("created" if code == 201 else "updated"), obj
+
+    async def apply(self, desired: Mapping[str, Any], *, force: bool = True) -> dict:
+        """Server-side apply ``desired`` as the operator's field manager; returns the object."""
+        return (await self._apply(desired, force=force))[1]
+
+    async def _apply(self, desired: Mapping[str, Any], *, force: bool) -> tuple[int, dict]:
+        """One server-side apply of ``desired`` (201: it created the object)."""
+        meta = desired["metadata"]
+        body = {k: v for k, v in desired.items() if k != "status"}
+        key = (desired["apiVersion"], desired["kind"], meta.get("namespace"), meta["name"])
+        code, obj = await self.send("PATCH", path_of(*key[:2], key[2], key[3]), body=body,
+                                    content_type=APPLY_PATCH, query={"force": "true"} if force else None)
+        self._remember(key, obj)
+        return code, obj
+
+    def peek(self, key: tuple) -> dict | None:
+        """What the watches last saw of an object (a copy), or None when not seen or too old."""
+        if key in self._seen:
+            seen_at, obj = self._seen[key]
+            if time.monotonic() - seen_at < self.cache_seconds:
+                return copy.deepcopy(obj)
+        return None
+
+    def drifted(self, obj: Mapping[str, Any]) -> bool:
+        """Whether a watched object no longer says what the operator last applied to it (a hand
+        edit: the owner must be reconciled). Our own writes' echoes and status-only changes are
+        not drift."""
+        meta = obj.get("metadata") or {}
+        key = (obj.get("apiVersion", ""), obj.get("kind", ""), meta.get("namespace"), meta.get("name", ""))
+        want = self._desired.get(key)
+        return want is not None and not meta.get("deletionTimestamp") and not is_subset(want, obj)
+
+    def forget(self) -> None:
+        """Drop every cached object, so the next reads go to the API server (the full resync)."""
+        self._seen.clear()
+        self._crd_cache.clear()
 
     async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         """Delete (dependents in the background); False when it was already gone."""
@@ -356,6 +413,7 @@ class Kube:
             return False
         finally:
             self._seen.pop((api_version, kind, namespace, name), None)
+            self._desired.pop((api_version, kind, namespace, name), None)
 
     async def patch_metadata(self, api_version: str, kind: str, name: str, *,
                              labels: Mapping[str, str | None] | None = None,
@@ -374,8 +432,16 @@ class Kube:
     async def patch_status(self, api_version: str, kind: str, name: str, status: Mapping[str, Any],
                            namespace: str | None = None) -> None:
         """Merge ``status`` into the status subresource (fields not named stay as they are)."""
-        await self.request("PATCH", path_of(api_version, kind, namespace, name, "status"),
-                           body={"status": dict(status)}, content_type=MERGE_PATCH)
+        patched = await self.request("PATCH", path_of(api_version, kind, namespace, name, "status"),
+                                     body={"status": dict(status)}, content_type=MERGE_PATCH)
+        self._remember((api_version, kind, namespace, name), patched)
+
+    def note_crd(self, name: str, exists: bool) -> bool:
+        """Feed a CRD watch event; True when it changes what :meth:`crd_exists` last answered
+        (the CRD was installed or removed since), False when it confirms it or nothing was known."""
+        known = self._crd_cache.get(name)
+        self._crd_cache[name] = (time.monotonic(), exists)
+        return known is not None and known[1] != exists
 
     async def crd_exists(self, name: str) -> bool:
         """Whether a CustomResourceDefinition is installed (cached for ``crd_cache_seconds``, so

@@ -2,8 +2,10 @@
 
 Each ``reconcile_*`` reads the world, computes what it should be with the pure builders,
 and converges it through :class:`~zerolayer.operator.kube.Kube`: running it again on a
-converged cluster makes reads only and writes nothing. Every write is reported as a
-Kubernetes Event on the custom resource, in plain words.
+converged cluster writes nothing (and, with the watch-fed cache warm, reads nothing either).
+Every write is reported on the custom resource in plain words: one Kubernetes Event per
+reconcile lists what it did (warnings get an event each), so the story costs one request,
+not one per child.
 
 Errors (the handlers map them to kopf's retry semantics):
 
@@ -20,6 +22,7 @@ import collections
 import dataclasses
 import datetime
 import logging
+import random
 from typing import Any, Callable, Mapping
 
 from zerolayer.operator import conditions as cond
@@ -32,6 +35,7 @@ from zerolayer.operator.kube import Kube, SecretCheck
 log = logging.getLogger(__name__)
 
 INODE = (m.API_VERSION, "InferenceNode")
+PUBLISHED_MAX_AGE = 300.0
 TQUOTA = (m.API_VERSION, "TenantQuota")
 
 
@@ -64,10 +68,12 @@ def _describe(manifest: Mapping[str, Any]) -> str:
 
 @dataclasses.dataclass
 class Outcome:
-    """What one reconcile did: the actions taken (also sent as events) and whether it is Ready."""
+    """What one reconcile did: the actions taken (reported as events) and whether it is Ready."""
 
     actions: list[str] = dataclasses.field(default_factory=list)
     ready: bool = False
+    # (reason, message, warning) for each action, sent by Reconciler._report at the end.
+    notes: list[tuple[str, str, bool]] = dataclasses.field(default_factory=list)
 
 
 class Reconciler:
@@ -102,8 +108,20 @@ class Reconciler:
     async def _act(self, body: Mapping[str, Any], outcome: Outcome, reason: str, message: str,
                    warning: bool = False) -> None:
         outcome.actions.append(message)
+        outcome.notes.append((reason, message, warning))
         log.info("%s %s: %s", body.get("kind"), body["metadata"]["name"], message)
-        await self.kube.event(body, reason, message, warning=warning)
+
+    async def _report(self, body: Mapping[str, Any], outcome: Outcome) -> None:
+        """Send what one reconcile did as events: each warning on its own, every normal action
+        in one event (its reason when there is one action, else ``Reconciled``)."""
+        normal = [(r, m) for r, m, w in outcome.notes if not w]
+        for reason, message, warning in outcome.notes:
+            if warning:
+                await self.kube.event(body, reason, message, warning=True)
+        if normal:
+            reason = normal[0][0] if len(normal) == 1 else "Reconciled"
+            await self.kube.event(body, reason, "; ".join(m for _, m in normal))
+        outcome.notes.clear()
 
     async def _ensure_all(self, body: Mapping[str, Any], manifests: list[dict], outcome: Outcome) -> dict[str, dict]:
         results = await asyncio.gather(*(self.kube.ensure(x) for x in manifests), return_exceptions=True)
@@ -115,7 +133,7 @@ class Reconciler:
             new = await self._conditions_status(body, kind, [cond.condition("Ready", False, "ChildConflict", message)],
                                                 "Degraded")
             await self._note_transition(body, outcome, new, "Degraded")
-            raise WaitingFor(message, delay=self.config.resync_seconds)
+            raise WaitingFor(message, delay=self.config.retry_seconds)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -157,9 +175,10 @@ class Reconciler:
     # ================================================================= InferenceNode
     async def reconcile_inference_node(self, body: Mapping[str, Any]) -> Outcome:
         name = body["metadata"]["name"]
+        outcome = Outcome()
         async with self._lock("InferenceNode", name):
             try:
-                outcome = await self._reconcile_inference_node(body)
+                await self._reconcile_inference_node(body, outcome)
             except WaitingFor:
                 self.observe("InferenceNode", "waiting")
                 raise
@@ -169,11 +188,12 @@ class Reconciler:
             except OperatorError:
                 self.observe("InferenceNode", "error")
                 raise
+            finally:
+                await self._report(body, outcome)
             self.observe("InferenceNode", "ready" if outcome.ready else "progressing")
             return outcome
 
-    async def _reconcile_inference_node(self, body: Mapping[str, Any]) -> Outcome:
-        outcome = Outcome()
+    async def _reconcile_inference_node(self, body: Mapping[str, Any], outcome: Outcome) -> Outcome:
         meta, spec = body["metadata"], body.get("spec") or {}
         name = meta["name"]
         problems = validation.inference_node_problems(spec)
@@ -206,7 +226,7 @@ class Reconciler:
                 cond.condition("Ready", False, "NodeMissing", message),
             ], "Pending")
             await self._note_transition(body, outcome, new, "Pending")
-            raise WaitingFor(message, delay=min(30.0, self.config.resync_seconds))
+            raise WaitingFor(message, delay=self.config.retry_seconds)
 
         self.missing_nodes.discard(node_name)
         # One InferenceNode per Node: a second one would run a second runtime on the same GPUs.
@@ -221,7 +241,7 @@ class Reconciler:
                     cond.condition("Ready", False, "NodeClaimed", message),
                 ], "Degraded")
                 await self._note_transition(body, outcome, new, "Degraded")
-                raise WaitingFor(message, delay=self.config.resync_seconds)
+                raise WaitingFor(message, delay=self.config.retry_seconds)
 
         # Label the node: this is what places the runtime there.
         gpu_type = m.gpu_type_of(spec, node)
@@ -258,7 +278,7 @@ class Reconciler:
                 models, cond.condition("Ready", False, *missing)], "Pending")
             await self._note_models(body, outcome, new)
             await self._note_transition(body, outcome, new, "Pending")
-            raise WaitingFor(missing[1], delay=min(30.0, self.config.resync_seconds))
+            raise WaitingFor(missing[1], delay=self.config.retry_seconds)
 
         allocatable = ((node.get("status") or {}).get("allocatable") or {}).get("nvidia.com/gpu")
         node_gpus = int(allocatable) if str(allocatable or "").isdigit() else None
@@ -287,7 +307,7 @@ class Reconciler:
         if models["status"] != cond.TRUE:
             # Neither a download's progress nor its failure changes the DaemonSet's status (which
             # is what triggers reconciles): look at the pod again soon.
-            raise WaitingFor(models["message"], delay=min(15.0, self.config.resync_seconds))
+            raise WaitingFor(models["message"], delay=min(15.0, self.config.retry_seconds))
         return outcome
 
     async def _missing_model_storage(self, spec: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -374,6 +394,14 @@ class Reconciler:
         collect the children too; deleting them here makes removal prompt and visible)."""
         outcome = Outcome()
         name = body["metadata"]["name"]
+        try:
+            await self._delete_inference_node(body, name, outcome)
+        finally:
+            await self._report(body, outcome)
+        self._locks.pop(f"InferenceNode/{name}", None)
+        return outcome
+
+    async def _delete_inference_node(self, body: Mapping[str, Any], name: str, outcome: Outcome) -> None:
         async with self._lock("InferenceNode", name):
             if (body.get("status") or {}).get("phase") != "Terminating":
                 try:
@@ -409,8 +437,6 @@ class Reconciler:
                 if await self._delete_owned(body, api_version, kind, child, namespace):
                     where = f"{namespace}/" if namespace else ""
                     await self._act(body, outcome, "Deleted", f"Deleted {kind} {where}{child}")
-        self._locks.pop(f"InferenceNode/{name}", None)
-        return outcome
 
     async def _delete_owned(self, body: Mapping[str, Any], api_version: str, kind: str, name: str,
                             namespace: str | None) -> bool:
@@ -428,9 +454,10 @@ class Reconciler:
     # ================================================================= TenantQuota
     async def reconcile_tenant_quota(self, body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Outcome:
         name = body["metadata"]["name"]
+        outcome = Outcome()
         async with self._lock("TenantQuota", name):
             try:
-                outcome = await self._reconcile_tenant_quota(body, old)
+                await self._reconcile_tenant_quota(body, old, outcome)
             except WaitingFor:
                 self.observe("TenantQuota", "waiting")
                 raise
@@ -440,11 +467,13 @@ class Reconciler:
             except OperatorError:
                 self.observe("TenantQuota", "error")
                 raise
+            finally:
+                await self._report(body, outcome)
             self.observe("TenantQuota", "ready" if outcome.ready else "progressing")
             return outcome
 
-    async def _reconcile_tenant_quota(self, body: Mapping[str, Any], old: Mapping[str, Any] | None) -> Outcome:
-        outcome = Outcome()
+    async def _reconcile_tenant_quota(self, body: Mapping[str, Any], old: Mapping[str, Any] | None,
+                                      outcome: Outcome) -> Outcome:
         spec = body.get("spec") or {}
         name = body["metadata"]["name"]
         namespace, secret, key = m.secret_ref(body, self.config)
@@ -469,7 +498,7 @@ class Reconciler:
                 cond.condition("SecretFound", False, *problem),
                 cond.condition("Ready", False, *problem)], "Pending", keyCount=0)
             await self._note_transition(body, outcome, new, "Pending")
-            raise WaitingFor(problem[1], delay=min(10.0, self.config.resync_seconds))
+            raise WaitingFor(problem[1], delay=min(10.0, self.config.retry_seconds))
         secret_found = cond.condition("SecretFound", True, "SecretFound",
                                       f"API-key Secret {namespace}/{secret} holds {check.key_count} key(s)")
 
@@ -482,7 +511,7 @@ class Reconciler:
             await self._note_transition(body, outcome, new, "Degraded")
             await self.kube.event({"apiVersion": m.API_VERSION, "kind": "TenantQuota", "metadata": {"name": other}},
                                   reason, f"TenantQuota {name} was refused: {message}", warning=True)
-            raise WaitingFor(message, delay=self.config.resync_seconds)
+            raise WaitingFor(message, delay=self.config.retry_seconds)
         await self._publish(name, m.build_tenant_key_entry(body, list(check.key_hashes)))
         await self._remove_legacy_secret_access(body, outcome)
 
@@ -531,10 +560,11 @@ class Reconciler:
         return check
 
     async def _published(self) -> dict[str, dict]:
-        """The fleet's published key hashes by TenantQuota name, re-read at most every resync period
-        (1,000 TenantQuotas must not mean 1,000 reads of one large Secret per period)."""
+        """The fleet's published key hashes by TenantQuota name, re-read at most every
+        ``PUBLISHED_MAX_AGE`` seconds and at each full resync (1,000 TenantQuotas must not mean
+        1,000 reads of one large Secret; the leader is its only writer, so our copy stays right)."""
         age = self.now() - self._published_at if self._published_at is not None else None
-        if self._published_keys is None or age is None or age.total_seconds() > self.config.resync_seconds:
+        if self._published_keys is None or age is None or age.total_seconds() > PUBLISHED_MAX_AGE:
             raw = await self.kube.read_published_keys(self.config.runtime_namespace)
             self._published_keys = {k: e for k, e in ((k, m.read_tenant_key_entry(v)) for k, v in raw.items())
                                     if e is not None}
@@ -580,7 +610,9 @@ class Reconciler:
         """Before runtimes got hashes, each TenantQuota had a Role and RoleBinding ``zl-tenant-<name>``
         letting the runtime namespace read its Secret. Remove them once per operator process."""
         name = body["metadata"]["name"]
-        if name in self._legacy_checked:
+        if name in self._legacy_checked or not (body.get("status") or {}).get("conditions"):
+            # A TenantQuota with no status was never reconciled, so no older operator made them.
+            self._legacy_checked.add(name)
             return
         namespace = m.secret_ref(body, self.config)[0]
         child = m.tenant_name(name)
@@ -594,6 +626,15 @@ class Reconciler:
         outcome = Outcome()
         name = body["metadata"]["name"]
         child = m.tenant_name(name)
+        try:
+            await self._delete_tenant_quota(body, name, child, outcome)
+        finally:
+            await self._report(body, outcome)
+        self._locks.pop(f"TenantQuota/{name}", None)
+        self._legacy_checked.discard(name)
+        return outcome
+
+    async def _delete_tenant_quota(self, body: Mapping[str, Any], name: str, child: str, outcome: Outcome) -> None:
         async with self._lock("TenantQuota", name):
             await self._unpublish(name)
             secret_ns = m.secret_ref(body, self.config)[0]
@@ -605,9 +646,6 @@ class Reconciler:
             for api_version, kind, namespace in targets:
                 if await self._delete_owned(body, api_version, kind, child, namespace):
                     await self._act(body, outcome, "Deleted", f"Deleted {kind} {namespace}/{child}")
-        self._locks.pop(f"TenantQuota/{name}", None)
-        self._legacy_checked.discard(name)
-        return outcome
 
     # ================================================================= cross-object triggers
     def _selected(self, body: Mapping[str, Any] | None) -> bool:
@@ -619,13 +657,58 @@ class Reconciler:
     async def reconcile_inference_node_by_name(self, name: str) -> Outcome | None:
         """Reconcile an InferenceNode named by a child's or a Node's event (None if it is gone
         or not ours)."""
-        body = await self.kube.get(*INODE, name)
+        body = await self.kube.get(*INODE, name, cached=True)
         if not self._selected(body):
             return None
         return await self.reconcile_inference_node(body)
 
     async def reconcile_tenant_quota_by_name(self, name: str) -> Outcome | None:
-        body = await self.kube.get(*TQUOTA, name)
+        body = await self.kube.get(*TQUOTA, name, cached=True)
         if not self._selected(body):
             return None
         return await self.reconcile_tenant_quota(body)
+
+    # ================================================================= the full resync
+    async def resync_all(self) -> dict[str, int]:
+        """Re-read every selected InferenceNode and TenantQuota from the API server (the cache is
+        dropped first, so children and Nodes are re-read too) and reconcile each, one at a time:
+        repairs drift that no watch saw. Returns counts by result; one object's failure is
+        logged and does not stop the rest (kopf retries it on its own events)."""
+        self.kube.forget()
+        self._published_keys = None
+        counts: collections.Counter = collections.Counter()
+        for kind in (INODE, TQUOTA):
+            counts.update(await self.reconcile_every(kind))
+        log.info("full resync done: %s", dict(counts))
+        return dict(counts)
+
+    async def reconcile_every(self, kind: tuple[str, str]) -> dict[str, int]:
+        """Reconcile every selected object of one kind (listed from the API server), one at a
+        time; one object's failure is logged and does not stop the rest (kopf retries it on its
+        own events). Returns counts by result."""
+        reconcile = self.reconcile_inference_node if kind == INODE else self.reconcile_tenant_quota
+        selector = ",".join(f"{k}={v}" for k, v in sorted(self.selector.items())) or None
+        counts: collections.Counter = collections.Counter()
+        for body in await self.kube.list(*kind, label_selector=selector):
+            if not self._selected(body) or not (body["metadata"].get("finalizers") or ()):
+                continue  # being deleted, or not yet taken on by kopf (its create handler runs)
+            try:
+                outcome = await reconcile(body)
+                counts["ready" if outcome.ready else "progressing"] += 1
+            except OperatorError as exc:
+                counts["not converged"] += 1
+                log.info("%s %s: %s", kind[1], body["metadata"]["name"], exc)
+        return dict(counts)
+
+    async def resync_forever(self, sleep: Callable[[float], Any] = asyncio.sleep,
+                             rng: random.Random | None = None) -> None:
+        """Run :meth:`resync_all` every ``config.resync_seconds``, each wait stretched by a random
+        share of up to ``config.resync_jitter`` (so replicas and restarts do not line up). The
+        first one comes one period after start: a start reconciles everything anyway."""
+        rng = rng or random.Random()
+        while True:
+            await sleep(self.config.resync_seconds * (1 + rng.uniform(0, self.config.resync_jitter)))
+            try:
+                await self.resync_all()
+            except KubeError as exc:
+                log.warning("full resync failed, next one in a period: %s", exc)

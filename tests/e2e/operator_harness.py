@@ -34,12 +34,19 @@ def free_port() -> int:
 
 
 class OperatorProcess:
-    """``zerolayer operator`` as a child process, with its log in a file."""
+    """``zerolayer operator`` as a child process, with its log in a file.
 
-    def __init__(self, cluster, namespace: str, run_id: str, log_dir: pathlib.Path, resync: float = 3.0):
+    It elects itself leader through the Lease in its namespace like the chart's pods do; its
+    identity is stable across restarts (as a pod's name is across container restarts) unless
+    ``identity`` names another replica. ``resync``: the full-resync period (drift repair must
+    not depend on it, so tests leave it at an hour)."""
+
+    def __init__(self, cluster, namespace: str, run_id: str, log_dir: pathlib.Path, resync: float = 3600.0,
+                 identity: str | None = None, lease_seconds: float | None = None):
         self.cluster, self.namespace, self.run_id = cluster, namespace, run_id
-        self.log_path = log_dir / f"operator-{run_id}.log"
-        self.resync = resync
+        self.identity = identity or f"op-{run_id}"
+        self.log_path = log_dir / f"operator-{run_id}-{self.identity}.log"
+        self.resync, self.lease_seconds = resync, lease_seconds
         self.proc: subprocess.Popen | None = None
         self.health_port = self.metrics_port = 0
         self.starts = 0
@@ -50,7 +57,9 @@ class OperatorProcess:
         cmd = [sys.executable, "-m", "zerolayer.cli", "operator", "--kubeconfig", self.kubeconfig,
                "--runtime-namespace", self.namespace, "--selector", f"{E2E_LABEL}={self.run_id}",
                "--resync-seconds", str(self.resync), "--health-port", str(self.health_port),
-               "--metrics-port", str(self.metrics_port)]
+               "--metrics-port", str(self.metrics_port), "--leader-identity", self.identity]
+        if self.lease_seconds:
+            cmd += ["--lease-seconds", str(self.lease_seconds)]
         log = open(self.log_path, "a")
         log.write(f"\n===== start {self.starts} =====\n")
         log.flush()

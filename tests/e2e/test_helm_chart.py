@@ -1,4 +1,5 @@
-"""Issue 2: the Helm chart lints, installs (operator pod Running), upgrades and uninstalls cleanly."""
+"""Issue 2: the Helm chart lints, installs (operator pods Running), upgrades and uninstalls cleanly.
+Issue 16: the chart's CRD-upgrade hook and its narrowed RBAC (leader Lease and key-hash Secret by name)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_install_upgrade_uninstall(cluster):
         def operator_running():
             pods = cluster.kubectl_json("get", "pods", "-n", NS, "-l", "app.kubernetes.io/component=operator")
             return [p for p in pods["items"] if p["status"].get("phase") == "Running"]
-        pods = cluster.wait_for(operator_running, timeout=90, what="operator pod Running")
+        pods = cluster.wait_for(lambda: len(operator_running()) == 2 and operator_running(), timeout=90,
+                                what="two operator pods Running (one leads, one stands by)")
         spec = pods[0]["spec"]
         container = spec["containers"][0]
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -88,8 +90,20 @@ def test_install_upgrade_uninstall(cluster):
         assert can("create", "secrets", "-n", NS) == "no"
         assert can("get", "secrets", "-n", "default") == "yes"  # tenants' API-key Secrets, read to hash
         assert can("list", "secrets", "-n", "default") == "no"
+        # the key-hash Secret is patched by name only; the Lease is read and renewed by name only
+        assert can("patch", "secrets/zl-tenant-keys", "-n", RUNTIME_NS) == "yes"
+        assert can("patch", "secrets/someone-elses", "-n", RUNTIME_NS) == "no"
+        lease = f"{RELEASE}-zerolayer-operator"
+        assert can("update", f"leases.coordination.k8s.io/{lease}", "-n", NS) == "yes"
+        assert can("update", "leases.coordination.k8s.io/other", "-n", NS) == "no"
+        assert can("update", f"leases.coordination.k8s.io/{lease}", "-n", RUNTIME_NS) == "no"
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["ZEROLAYER_LEASE_NAME"] == lease and env["ZEROLAYER_LEADER_ELECTION"] == "true"
+        assert float(env["ZEROLAYER_RESYNC_SECONDS"]) >= 3600
         assert can("delete", "customresourcedefinitions") == "no"
 
+        # the pre-upgrade hook (CRD apply Job) runs first; kwok completes Job pods without running
+        # them, so what the Job does is tested by test_crd_upgrade_hook_step below
         cluster.helm("upgrade", RELEASE, CHART, "-n", NS, "--set", "operator.logLevel=debug", "--wait",
                      "--timeout", "120s")
         dep = cluster.kubectl_json("get", "deployment", f"{RELEASE}-zerolayer-operator", "-n", NS)
@@ -106,17 +120,104 @@ def test_install_upgrade_uninstall(cluster):
     cluster.kubectl("delete", "namespace", NS, RUNTIME_NS, "--wait=false", check=False)
 
 
-def test_chart_rbac_is_exactly_what_the_operator_uses(cluster):
-    """One source of truth: the chart's operator rules equal operator/rbac.py."""
+def _rendered(cluster, *args: str) -> list[dict]:
     import yaml
 
+    out = cluster.helm("template", RELEASE, CHART, "-n", NS, "--kube-version", "1.35.0", *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_chart_rbac_is_exactly_what_the_operator_uses(cluster):
+    """One source of truth: the chart's operator rules equal operator/rbac.py."""
     from zerolayer.operator import rbac
 
-    docs = [d for d in yaml.safe_load_all(cluster.helm("template", "x", CHART, "-n", "ns", "--kube-version", "1.35.0").stdout) if d]
-    by_kind = {d["kind"]: d for d in docs if d["kind"] in ("ClusterRole", "Role")}
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in _rendered(cluster)
+               if d["kind"] in ("ClusterRole", "Role")}
+    full = f"{RELEASE}-zerolayer-operator"
 
     def norm(rules):
-        return sorted((tuple(r.get("apiGroups", [])), tuple(r["resources"]), tuple(r["verbs"])) for r in rules)
+        return sorted((tuple(r.get("apiGroups", [])), tuple(r["resources"]), tuple(r.get("resourceNames", [])),
+                       tuple(r["verbs"])) for r in rules)
 
-    assert norm(by_kind["ClusterRole"]["rules"]) == norm(rbac.CLUSTER_RULES)
-    assert norm(by_kind["Role"]["rules"]) == norm(rbac.RUNTIME_NAMESPACE_RULES)
+    assert norm(by_name[("ClusterRole", full)]["rules"]) == norm(rbac.CLUSTER_RULES)
+    assert norm(by_name[("Role", full)]["rules"]) == norm(rbac.RUNTIME_NAMESPACE_RULES)
+    assert norm(by_name[("Role", f"{full}-leader")]["rules"]) == norm(rbac.operator_namespace_rules(full))
+
+
+def test_crd_upgrade_hook_step(cluster, tmp_path):
+    """What the pre-upgrade hook Job does, run here as a process under the hook's own rendered
+    ServiceAccount rules: a cluster holding an older TenantQuota schema (one spec field missing)
+    gets the chart's schema back, from the files the hook's ConfigMap carries."""
+    import pathlib
+    import subprocess
+    import sys
+
+    import yaml
+
+    docs = _rendered(cluster)
+    hooks = [d for d in docs if (d["metadata"].get("annotations") or {}).get("helm.sh/hook") == "pre-upgrade"]
+    kinds = {d["kind"] for d in hooks}
+    assert kinds == {"ConfigMap", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Job"}, kinds
+    job = next(d for d in hooks if d["kind"] == "Job")
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["operator", "--apply-crds=/crds"]
+    [configmap] = [d for d in hooks if d["kind"] == "ConfigMap"]
+    chart_crds = pathlib.Path(CHART) / "crds"
+    assert configmap["data"] == {p.name: p.read_text() for p in sorted(chart_crds.glob("*.yaml"))}
+    assert [d for d in _rendered(cluster, "--set", "crds.upgrade=false")
+            if (d["metadata"].get("annotations") or {}).get("helm.sh/hook")] == []
+
+    crd_name = "tenantquotas.zerolayer.io"
+    current = yaml.safe_load((chart_crds / f"{crd_name}.yaml").read_text())
+    spec_props = current["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    dropped = sorted(spec_props)[-1]
+    old = yaml.safe_load((chart_crds / f"{crd_name}.yaml").read_text())
+    del old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][dropped]
+
+    def served_fields():
+        crd = cluster.kubectl_json("get", "crd", crd_name)
+        return set(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"])
+
+    ns = f"zl-e2e-crdhook-{tmp_path.name[-6:]}".lower().replace("_", "-")
+    sa = "crd-upgrade"
+    role = next(d for d in hooks if d["kind"] == "ClusterRole")
+    role_name = f"{role['metadata']['name']}-{ns}"
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=helm", "-f", "-",
+                        input=json.dumps(old))
+        assert dropped not in served_fields()  # the "old release" schema
+
+        cluster.kubectl("create", "serviceaccount", sa, "-n", ns)
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "List", "items": [
+                {**role, "metadata": {"name": role_name}},
+                {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                 "metadata": {"name": role_name},
+                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
+                 "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]}]}))
+        token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=10m").stdout.strip()
+        config = yaml.safe_load(pathlib.Path(cluster.kubeconfig).read_text())
+        config["users"] = [{"name": sa, "user": {"token": token}}]
+        for ctx in config["contexts"]:
+            ctx["context"]["user"] = sa
+        kubeconfig = tmp_path / "hook.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(config))
+        mounted = tmp_path / "crds"  # what the Job's ConfigMap volume shows at /crds
+        mounted.mkdir()
+        for name, text in configmap["data"].items():
+            (mounted / name).write_text(text)
+
+        proc = subprocess.run([sys.executable, "-m", "zerolayer.cli", "operator", f"--apply-crds={mounted}",
+                               "--kubeconfig", str(kubeconfig)], capture_output=True, text=True, timeout=120,
+                              env=cluster.env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "applied and established: inferencenodes.zerolayer.io, tenantquotas.zerolayer.io" in proc.stdout
+        assert served_fields() == set(spec_props)  # the chart's schema again, the dropped field included
+        crd = cluster.kubectl_json("get", "crd", crd_name, "--show-managed-fields")
+        managers = {f["manager"] for f in crd["metadata"]["managedFields"]}
+        assert "zerolayer-operator" in managers
+    finally:
+        # whatever happened, leave the session's CRDs as the repository has them
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(chart_crds))
+        cluster.kubectl("delete", "clusterrolebinding,clusterrole", role_name, "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -60,22 +60,26 @@ def test_layers():
 
 
 class CountingKube(kube.Kube):
-    """Kube with its transport replaced by a dict of objects, to test the watch-fed cache."""
+    """Kube with its transport replaced by a dict of objects, to test the watch-fed cache and
+    server-side apply (an apply creates a missing object with 201, else answers 200)."""
 
     def __init__(self, objects):
         self.objects, self.calls = objects, []
         self._on_request = lambda *a: None
-        self._seen, self._watched, self._crd_cache = {}, set(), {}
+        self._seen, self._watched, self._crd_cache, self._desired = {}, set(), {}, {}
         self.cache_seconds = 300.0
 
-    async def request(self, method, path, *, body=None, content_type="application/json", query=None):
-        self.calls.append((method, path))
+    async def send(self, method, path, *, body=None, content_type="application/json", query=None):
+        self.calls.append((method, path, content_type, dict(query or {})))
         if method == "GET":
             if path not in self.objects:
                 raise kube.NotFound("gone", status=404)
-            return self.objects[path]
+            return 200, self.objects[path]
         if method == "PATCH":
-            return {**self.objects[path], "metadata": {**self.objects[path]["metadata"], "resourceVersion": "9"}}
+            code = 200 if path in self.objects else 201
+            base = self.objects.get(path, body)
+            self.objects[path] = {**base, **body, "metadata": {**body["metadata"], "resourceVersion": "9"}}
+            return code, self.objects[path]
         raise AssertionError(method)
 
 
@@ -116,4 +120,63 @@ async def test_ensure_on_a_converged_object_makes_no_request():
     result, _ = await k.ensure(_ds())
     assert result == "unchanged" and k.calls == []
     result, obj = await k.ensure({**_ds(), "metadata": {**_ds()["metadata"], "labels": {"a": "c"}}})
-    assert result == "updated" and [c[0] for c in k.calls] == ["PATCH"]
+    # a hand edit is taken back with one forced server-side apply under our field manager
+    assert result == "updated" and [c[:3] for c in k.calls] == [("PATCH", path, kube.APPLY_PATCH)]
+    assert k.calls[0][3] == {"force": "true"}
+
+
+async def test_ensure_of_an_unseen_object_is_one_unforced_apply():
+    """No read first: one apply creates it (201); a conflict would mean someone else's fields."""
+    k = CountingKube({})
+    k.watch("apps/v1", "DaemonSet", "ns")
+    result, obj = await k.ensure(_ds())
+    assert result == "created" and [(c[0], c[2], c[3]) for c in k.calls] == [("PATCH", kube.APPLY_PATCH, {})]
+    assert (await k.ensure(_ds()))[0] == "unchanged" and len(k.calls) == 1  # remembered from the answer
+
+
+async def test_real_send_names_the_field_manager():
+    """Every write carries fieldManager=zerolayer-operator (managedFields name the operator);
+    the HTTP session is replaced, so the real send() builds the request."""
+    import types
+
+    class Transport(kube.Kube):
+        def __init__(self):
+            self._on_request = lambda *a: None
+
+    k = Transport()
+    calls = []
+
+    class Response:
+        status = 200
+
+        async def text(self):
+            return "{}"
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *a):
+            return False
+
+    class Session:
+        closed = False
+
+        def request(self, method, url, **kw):
+            calls.append((method, kw["params"]))
+            return Response()
+    k._session = Session()
+    k._credentials = types.SimpleNamespace(headers=lambda: {}, server="https://x")
+    k._http = lambda: k._session
+    await k.send("PATCH", "/api/v1/nodes/n", body={}, content_type=kube.APPLY_PATCH)
+    await k.send("GET", "/api/v1/nodes/n")
+    assert calls == [("PATCH", {"fieldManager": "zerolayer-operator"}), ("GET", {})]
+
+
+def test_drift_is_a_difference_from_what_we_applied():
+    k = CountingKube({})
+    k.watch("apps/v1", "DaemonSet", "ns")
+    k._desired[("apps/v1", "DaemonSet", "ns", "d")] = kube._comparable(_ds())
+    assert not k.drifted(_ds())  # our own write's echo
+    assert not k.drifted({**_ds(), "status": {"numberReady": 1}})  # status is not ours
+    assert k.drifted({**_ds(), "metadata": {**_ds()["metadata"], "labels": {"a": "edited"}}})
+    assert not k.drifted({**_ds(), "metadata": {**_ds()["metadata"], "name": "other"}})  # never applied

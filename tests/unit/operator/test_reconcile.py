@@ -68,9 +68,13 @@ async def test_first_reconcile_labels_node_creates_children_and_reports_progress
     assert c["RuntimeReady"]["status"] == "False"  # the DaemonSet controller has not reported yet
     assert c["GossipFresh"]["status"] == "Unknown"
     assert c["Ready"]["status"] == "False" and c["Ready"]["observedGeneration"] == 3
-    reasons = [e[2] for e in kube.events]
-    assert reasons.count("Created") == 8 and "NodeLabelled" in reasons
-    assert any("Created DaemonSet zl-run/zl-runtime-gpu-node-0" == e[3] for e in kube.events)
+    # one event tells the whole reconcile (one request, not one per child)
+    [(kind, name, reason, message, warning)] = kube.events
+    assert reason == "Reconciled" and not warning
+    parts = message.split("; ")
+    assert sum(p.startswith("Created ") for p in parts) == 8 and any(p.startswith("Labelled node") for p in parts)
+    assert "Created DaemonSet zl-run/zl-runtime-gpu-node-0" in parts
+    assert outcome.actions == parts
     assert not outcome.ready
 
 
@@ -243,6 +247,13 @@ async def test_tenant_quota_delete_cleans_up():
     assert kube.published_tenant_keys("zl-run") == {}
 
 
+async def test_a_never_reconciled_tenant_quota_costs_no_legacy_cleanup():
+    """No status yet: no older operator ever made its Role, so no DELETE requests are spent."""
+    kube, rec, body = tq_world()
+    await rec.reconcile_tenant_quota(body)
+    assert not [w for w in kube.writes if w[0] == "delete"]
+
+
 async def test_secret_namespace_change_publishes_the_new_keys_and_drops_legacy_secret_access():
     from zerolayer.runtime.tenants import key_hash
 
@@ -251,6 +262,8 @@ async def test_secret_namespace_change_publishes_the_new_keys_and_drops_legacy_s
                                                                          "namespace": "zl-run"}}
     kube.put({**legacy, "kind": "Role"})
     kube.put({**legacy, "kind": "RoleBinding"})
+    # reconciled before (by an older operator): its legacy Role and RoleBinding are removed
+    body = {**body, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
     await rec.reconcile_tenant_quota(body)
     assert kube.kinds("Role") == kube.kinds("RoleBinding") == []
     kube.secrets[("team-a", "team-a-keys")] = {"api-keys": "k\n"}  # the tenant's own namespace: allowed
