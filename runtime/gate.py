@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 from zerolayer import contract
 from zerolayer.contract import ERRORS, ErrorCode, Priority
 from zerolayer.runtime.api.anthropic_wire import ANTHROPIC
+from zerolayer.runtime.api.completions_wire import COMPLETIONS
 from zerolayer.runtime.api.openai_wire import OPENAI
 from zerolayer.runtime.api.wire import WireApi, error_response
 from zerolayer.runtime.engine.base import Engine
@@ -51,6 +52,7 @@ WIRES: dict[str, WireApi] = {"anthropic": ANTHROPIC, "openai": OPENAI}  # by Wir
 ROUTES: dict[str, Route] = {
     "/v1/messages": Route("messages", "POST", CHAT, ANTHROPIC),
     "/v1/chat/completions": Route("chat", "POST", CHAT, OPENAI),
+    "/v1/completions": Route("completions", "POST", CHAT, COMPLETIONS),
     "/v1/models": Route("models", "GET", KEYED),
     "/healthz": Route("healthz", "GET", OPEN),
     "/readyz": Route("readyz", "GET", OPEN),

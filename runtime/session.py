@@ -22,10 +22,10 @@ import uuid
 from typing import Any, Callable, Protocol
 
 from zerolayer.contract import ERRORS, ErrorCode, Priority
-from zerolayer.runtime.api.common import ChatRequest
+from zerolayer.runtime.api.common import Assembler, ChatRequest, render_prompt
 from zerolayer.runtime.api.wire import StreamFrame, WireApi
 from zerolayer.runtime.channel import Channel, respond, send_error
-from zerolayer.runtime.engine.base import Engine, InputRejected, SamplingOptions
+from zerolayer.runtime.engine.base import Engine, InputRejected
 from zerolayer.runtime.errors import EngineError, RequestRefused
 from zerolayer.runtime.gate import Admitted, Route, refusal, unknown_model
 from zerolayer.runtime.headers import RequestContract
@@ -171,7 +171,7 @@ class StreamSession:
         priority = self.ticket.priority
         if request.priority is not None and not self.contract.priority_given:
             priority = Priority.parse(request.priority)
-        prompt = await engine.render(request.model, request.messages)
+        prompt = await render_prompt(engine, request)
         self._check_context(request, prompt.token_count)
         self.prompt_tokens = prompt.token_count
         self.ticket = dataclasses.replace(self.ticket, model=request.model, priority=priority,
@@ -188,7 +188,7 @@ class StreamSession:
         if deadline is not None and table.clock() >= deadline:
             raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline passed before generation started",
                                  reason="deadline_before_start")
-        options = SamplingOptions(request.max_tokens, request.temperature, request.top_p, request.stop, request.seed)
+        options = request.sampling_options()
         request_id = f"{self.wire.id_prefix}_{uuid.uuid4().hex[:24]}"
         self.engine_request = request_id
         table.engine_requests_started += 1
@@ -226,15 +226,13 @@ class StreamSession:
     async def _complete(self, channel: Channel, frame: StreamFrame, deltas: Any,
                         head: list[tuple[str, str]]) -> None:
         try:
-            parts: list[str] = []
-            finish = "stop"
+            answer = Assembler(frame.request, self.table.engine.parse_tool_calls)
             async for delta in deltas:
                 if not self.first_token_sent and delta.token_count:
                     self._first_token()
                 self.output_tokens += delta.token_count
-                parts.append(delta.text)
-                finish = delta.finish_reason or finish
-            body = self.wire.completion(frame, "".join(parts), finish, self.prompt_tokens, self.output_tokens)
+                answer.add(delta)
+            body = self.wire.completion(frame, answer.choices(), self.prompt_tokens, self.output_tokens)
             await respond(channel, self.table.metrics, 200, [("content-type", "application/json"), *head], body,
                           self.route.name)
         finally:
@@ -254,18 +252,19 @@ class StreamSession:
         tenant = self.tenant.name
         if sink is not None:
             sink(tenant, rid, model, self.prompt_tokens, 0, True)
-        finish = "stop"
+        answer = Assembler(frame.request, self.table.engine.parse_tool_calls)
         async for delta in deltas:
             if delta.token_count and not self.first_token_sent:
                 self._first_token()
             self.output_tokens += delta.token_count
-            if delta.finish_reason:
-                finish = delta.finish_reason
-            if delta.text:
-                await channel.send(wire.stream_delta(frame, delta.text))
+            answer.add(delta)
+            if (delta.text or delta.logprobs) and not answer.buffers:  # buffered: sent whole at the end
+                piece = wire.stream_delta(frame, delta)
+                if piece:
+                    await channel.send(piece)
             if sink is not None and delta.token_count:
                 sink(tenant, rid, model, 0, delta.token_count, False)
-        await channel.end(wire.stream_end(frame, finish, self.prompt_tokens, self.output_tokens))
+        await channel.end(wire.stream_end(frame, answer.choices(), self.prompt_tokens, self.output_tokens))
 
     # ------------------------------------------------------------------ ends
     async def _fail(self, channel: Channel, refused: RequestRefused, preempted: bool = False) -> None:

@@ -2,17 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Sequence
 
 from zerolayer.contract import ERRORS, ErrorCode
-from zerolayer.runtime.api.common import ChatRequest, dumps, invalid, load_json, number, sse, stops, text_of
-from zerolayer.runtime.engine.base import ChatMessage
+from zerolayer.runtime.api.common import (
+    ChatRequest,
+    Choice,
+    Neutral,
+    check_fields,
+    dumps,
+    integer,
+    invalid,
+    is_none,
+    json_schema_text,
+    load_json,
+    number,
+    one_of,
+    sse,
+    stops,
+    text_of,
+    top_k,
+    user_id,
+)
+from zerolayer.runtime.engine.base import ChatMessage, ToolCall, ToolSpec, ToolUse
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
+
+# Every Messages field is honoured, refused with a reason (unless sent with its neutral value), or
+# unknown (400). docs/api-fields.md is the same table in prose.
+HONOURED = frozenset({
+    "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
+    "metadata", "tools", "tool_choice",
+})
+REFUSED: dict[str, tuple[str, Neutral]] = {
+    "thinking": ("the models served have no extended-thinking mode",
+                 lambda v: v is None or v == {"type": "disabled"}),
+    "service_tier": ("one tier; priority is the x-anthropic-priority header", one_of("auto", "standard_only")),
+    "container": ("no code-execution container runs here", is_none),
+    "mcp_servers": ("no MCP connector runs here", lambda v: v is None or v == []),
+    "context_management": ("context is not edited server-side", is_none),
+}
+METADATA_FIELDS = frozenset({"user_id", "seed"})  # seed: zerolayer's extension (the API has none)
+MESSAGE_FIELDS = frozenset({"role", "content"})
+TOOL_FIELDS = frozenset({"name", "description", "input_schema", "type", "cache_control"})
 
 
 def parse(body: bytes) -> ChatRequest:
     data = load_json(body)
+    check_fields(data, HONOURED, REFUSED)
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model: required string")
@@ -31,8 +69,22 @@ def parse(body: bytes) -> ChatRequest:
     for i, message in enumerate(raw):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise invalid(f"messages[{i}].role must be 'user' or 'assistant'")
-        messages.append(ChatMessage(message["role"], text_of(message.get("content"), f"messages[{i}].content")))
-    seed = (data.get("metadata") or {}).get("seed") if isinstance(data.get("metadata"), dict) else None
+        check_fields(message, MESSAGE_FIELDS, {}, f"messages[{i}].")
+        messages.extend(_turn(message["role"], message.get("content"), f"messages[{i}].content"))
+    metadata = data.get("metadata")
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise invalid("metadata must be an object")
+    check_fields(metadata, METADATA_FIELDS, {}, "metadata.")
+    seed = metadata.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise invalid("metadata.seed must be an integer")
+    tools, tool_use = _tools(data)
+    # A last assistant turn is a prefill: the answer continues it (the API's own rule), not a new turn.
+    continue_final = raw[-1].get("role") == "assistant"
+    if continue_final and messages[-1].tool_calls:
+        raise invalid("the last assistant message is a prefill the answer continues: it cannot end in tool_use")
     return ChatRequest(
         model=model,
         messages=tuple(messages),
@@ -40,51 +92,183 @@ def parse(body: bytes) -> ChatRequest:
         stream=bool(data.get("stream", False)),
         temperature=number(data, "temperature", 1.0, 0.0, 1.0),
         top_p=number(data, "top_p", 1.0, 0.0, 1.0),
+        top_k=top_k(data),
         stop=stops(data.get("stop_sequences")),
-        seed=seed if isinstance(seed, int) else None,
+        seed=seed,
+        tools=tools,
+        tool_use=tool_use,
+        continue_final=continue_final,
+        user=user_id(metadata.get("user_id"), "metadata.user_id"),
     )
 
 
+def _turn(role: str, content: Any, where: str) -> list[ChatMessage]:
+    """One Messages turn as chat messages: an assistant turn's ``tool_use`` blocks become its tool calls;
+    a user turn's ``tool_result`` blocks become tool messages (before the turn's own text)."""
+    if isinstance(content, str) or not isinstance(content, list):
+        return [ChatMessage(role, text_of(content, where))]
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}[{j}]"
+        if kind == "tool_use" and role == "assistant":
+            check_fields(block, frozenset({"type", "id", "name", "input", "cache_control"}), {}, f"{at}.")
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+                    or not isinstance(block.get("input"), dict):
+                raise invalid(f"{at}: tool_use needs id, name and an input object")
+            calls.append(ToolCall(block["id"], block["name"], json.dumps(block["input"], ensure_ascii=False)))
+        elif kind == "tool_result" and role == "user":
+            check_fields(block, frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}), {},
+                         f"{at}.")
+            if not isinstance(block.get("tool_use_id"), str):
+                raise invalid(f"{at}.tool_use_id: required string")
+            result = block.get("content", "")
+            text = text_of(result, f"{at}.content")
+            if block.get("is_error"):
+                text = f"Error: {text}"  # the template has no error flag: the model reads it in the text
+            results.append(ChatMessage("tool", text, tool_call_id=block["tool_use_id"]))
+        else:
+            texts.append(text_of([block], where))
+    out = results
+    if texts or calls or not results:
+        out = out + [ChatMessage(role, "".join(texts), tool_calls=tuple(calls))]
+    return out
+
+
+def _tools(data: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolUse | None]:
+    raw = data.get("tools")
+    choice = data.get("tool_choice")
+    if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
+        raise invalid("tool_choice.type must be auto, any, tool or none")
+    if not raw:
+        if choice is not None and choice.get("type") != "none":
+            raise invalid("tool_choice needs tools")
+        return (), None
+    if not isinstance(raw, list):
+        raise invalid("tools must be a list")
+    tools = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            raise invalid(f"tools[{i}]: only client tools (name, description, input_schema) are supported; "
+                          "server tools do not run here")
+        check_fields(tool, TOOL_FIELDS, {}, f"tools[{i}].")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise invalid(f"tools[{i}].name: required string")
+        description = tool.get("description") or ""
+        if not isinstance(description, str):
+            raise invalid(f"tools[{i}].description must be a string")
+        tools.append(ToolSpec(tool["name"], description, json_schema_text(tool.get("input_schema"),
+                                                                          f"tools[{i}].input_schema")))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid("tools: names must be unique")
+    choice = choice or {"type": "auto"}
+    check_fields(choice, frozenset({"type", "name", "disable_parallel_tool_use"}), {}, "tool_choice.")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    kind = choice["type"]
+    if kind == "none":
+        return tuple(tools), None
+    if kind == "tool":
+        if choice.get("name") not in names:
+            raise invalid(f"tool_choice names {choice.get('name')!r}, which is not among the tools")
+        return tuple(tools), ToolUse(tuple(tools), "function", choice["name"], parallel=False)
+    return tuple(tools), ToolUse(tuple(tools), "required" if kind == "any" else "auto", parallel=parallel)
+
+
+def stop_reason(choice: Choice) -> str:
+    """``tool_use`` when the model called tools, ``stop_sequence`` when one of the request's ended it."""
+    if choice.tool_calls:
+        return "tool_use"
+    if choice.finish == "stop" and choice.stop_sequence is not None:
+        return "stop_sequence"
+    return STOP_REASONS.get(choice.finish, "end_turn")
+
+
+def content_blocks(choice: Choice) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": choice.text}] if choice.text or not choice.tool_calls \
+        else []
+    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
+               for c in choice.tool_calls]
+    return blocks
+
+
 def message(msg_id: str, model: str, text: str, stop_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+    return message_of(msg_id, model, Choice(0, text, "stop"), usage, stop_reason)
+
+
+def message_of(msg_id: str, model: str, choice: Choice, usage: dict[str, int],
+               reason: str | None = None) -> dict[str, Any]:
+    """A ``message`` object for a finished choice (``reason`` overrides the derived stop reason)."""
     return {
         "id": msg_id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": stop_reason,
-        "stop_sequence": None,
+        "content": content_blocks(choice),
+        "stop_reason": reason or stop_reason(choice),
+        "stop_sequence": choice.stop_sequence if choice.finish == "stop" and not choice.tool_calls else None,
         "usage": usage,
     }
 
 
-def stream_start(msg_id: str, model: str, input_tokens: int) -> bytes:
+def stream_start(msg_id: str, model: str, input_tokens: int, text_block: bool = True) -> bytes:
+    """``message_start`` and ``ping``, and (``text_block``) the opening of text block 0."""
     start = {
         "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": input_tokens, "output_tokens": 0},
     }
-    return (
-        sse("message_start", {"type": "message_start", "message": start})
-        + sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                      "content_block": {"type": "text", "text": ""}})
-        + sse("ping", {"type": "ping"})
-    )
+    opening = sse("message_start", {"type": "message_start", "message": start})
+    if text_block:
+        opening += sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                               "content_block": {"type": "text", "text": ""}})
+    return opening + sse("ping", {"type": "ping"})
 
 
-def stream_delta(text: str) -> bytes:
-    return sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+def stream_delta(text: str, index: int = 0) -> bytes:
+    return sse("content_block_delta", {"type": "content_block_delta", "index": index,
                                        "delta": {"type": "text_delta", "text": text}})
 
 
-def stream_end(stop_reason: str, input_tokens: int, output_tokens: int) -> bytes:
+def stream_blocks(choice: Choice) -> bytes:
+    """A finished choice's whole content as stream events (blocks 0..k, each opened, filled and
+    stopped): how a tool-using answer is streamed, since its calls are known only once it ends."""
+    out = b""
+    for index, block in enumerate(content_blocks(choice)):
+        if block["type"] == "text":
+            out += sse("content_block_start", {"type": "content_block_start", "index": index,
+                                               "content_block": {"type": "text", "text": ""}})
+            if block["text"]:
+                out += stream_delta(block["text"], index)
+        else:
+            out += sse("content_block_start", {"type": "content_block_start", "index": index,
+                                               "content_block": {**block, "input": {}}})
+            out += sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                               "delta": {"type": "input_json_delta",
+                                                         "partial_json": json.dumps(block["input"])}})
+        out += sse("content_block_stop", {"type": "content_block_stop", "index": index})
+    return out
+
+
+def stream_end(stop_reason: str, input_tokens: int, output_tokens: int, stop_sequence: str | None = None,
+               close_block: bool = True) -> bytes:
+    """The closing events; ``close_block``: text block 0 is still open (it was streamed as it came)."""
+    head = sse("content_block_stop", {"type": "content_block_stop", "index": 0}) if close_block else b""
     return (
-        sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+        head
         + sse("message_delta", {"type": "message_delta",
-                                "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                 "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}})
         + sse("message_stop", {"type": "message_stop"})
     )
+
+
+def stream_close(choice: Choice, input_tokens: int, output_tokens: int, buffered: bool = False) -> bytes:
+    """The end of a stream: a ``buffered`` (tool-using) answer's whole content blocks, else the
+    close of text block 0; then the stop reason (with the matched ``stop_sequence``)."""
+    sequence = choice.stop_sequence if stop_reason(choice) == "stop_sequence" else None
+    head = stream_blocks(choice) if buffered else b""
+    return head + stream_end(stop_reason(choice), input_tokens, output_tokens, sequence, close_block=not buffered)
 
 
 def error_body(code: ErrorCode, message: str) -> dict[str, Any]:

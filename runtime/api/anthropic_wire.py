@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from zerolayer.contract import ErrorCode
 from zerolayer.runtime.api import anthropic
-from zerolayer.runtime.api.common import ChatRequest, dumps
+from zerolayer.runtime.api.common import ChatRequest, Choice, dumps
 from zerolayer.runtime.api.wire import StreamFrame
+from zerolayer.runtime.engine.base import Delta
 
 
 class AnthropicWire:
@@ -15,20 +18,22 @@ class AnthropicWire:
     def parse(self, body: bytes) -> ChatRequest:
         return anthropic.parse(body)
 
-    def completion(self, frame: StreamFrame, text: str, finish: str, prompt_tokens: int,
+    def completion(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
                    output_tokens: int) -> bytes:
-        return dumps(anthropic.message(frame.request_id, frame.request.model, text,
-                                       anthropic.STOP_REASONS.get(finish, "end_turn"),
-                                       {"input_tokens": prompt_tokens, "output_tokens": output_tokens}))
+        return dumps(anthropic.message_of(frame.request_id, frame.request.model, choices[0],
+                                          {"input_tokens": prompt_tokens, "output_tokens": output_tokens}))
 
     def stream_start(self, frame: StreamFrame, prompt_tokens: int) -> bytes:
-        return anthropic.stream_start(frame.request_id, frame.request.model, prompt_tokens)
+        return anthropic.stream_start(frame.request_id, frame.request.model, prompt_tokens,
+                                      text_block=frame.request.tool_use is None)
 
-    def stream_delta(self, frame: StreamFrame, text: str) -> bytes:
-        return anthropic.stream_delta(text)
+    def stream_delta(self, frame: StreamFrame, delta: Delta) -> bytes:
+        return anthropic.stream_delta(delta.text) if delta.text else b""
 
-    def stream_end(self, frame: StreamFrame, finish: str, prompt_tokens: int, output_tokens: int) -> bytes:
-        return anthropic.stream_end(anthropic.STOP_REASONS.get(finish, "end_turn"), prompt_tokens, output_tokens)
+    def stream_end(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
+                   output_tokens: int) -> bytes:
+        return anthropic.stream_close(choices[0], prompt_tokens, output_tokens,
+                                      buffered=frame.request.tool_use is not None)
 
     def stream_error(self, code: ErrorCode, message: str) -> bytes:
         return anthropic.stream_error(code, message)

@@ -5,15 +5,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from zerolayer.contract import ErrorCode
-from zerolayer.runtime.engine.base import ChatMessage
+from zerolayer.runtime.engine.base import (
+    ChatMessage,
+    SamplingOptions,
+    StructuredOutput,
+    TokenLogprob,
+    ToolCall,
+    ToolSpec,
+    ToolUse,
+)
 from zerolayer.runtime.errors import RequestRefused
 
 
 @dataclasses.dataclass(frozen=True)
 class ChatRequest:
+    """A parsed request of any of the three APIs. ``prompt`` is set (and ``messages`` empty) for a
+    raw-text ``/v1/completions`` request, which is tokenized without a template.
+
+    ``tools`` are rendered into the prompt; ``tool_use`` says how the model must call them (None:
+    it is not asked to, ``tool_choice`` none). ``continue_final``: the last message is an assistant
+    prefill that the output continues. ``user``: the end-user id the client gives (OpenAI ``user`` /
+    ``safety_identifier``, Anthropic ``metadata.user_id``); generation does not read it."""
+
     model: str
     messages: tuple[ChatMessage, ...]
     max_tokens: int
@@ -24,6 +40,40 @@ class ChatRequest:
     seed: int | None = None
     priority: int | None = None  # OpenAI's body field (vLLM convention: lower first)
     include_usage: bool = False  # OpenAI stream_options.include_usage
+    top_k: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: no logprobs; else how many top alternatives per token
+    n: int = 1
+    structured: StructuredOutput | None = None
+    tools: tuple[ToolSpec, ...] = ()
+    tool_use: ToolUse | None = None
+    continue_final: bool = False
+    prompt: str | None = None
+    user: str | None = None
+
+    def sampling_options(self) -> SamplingOptions:
+        """What the engine must honour for this request."""
+        return SamplingOptions(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, stop=self.stop,
+            seed=self.seed, top_k=self.top_k, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, logprobs=self.logprobs,
+            n=self.n, structured=self.structured, tools=self.tool_use)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One finished completion, as both APIs' response builders take it. ``finish`` is the engine's
+    reason (``stop``/``length``/``abort``); ``stop_sequence`` the stop string that ended it, if one did."""
+
+    index: int
+    text: str
+    finish: str
+    tokens: int = 0
+    stop_sequence: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def invalid(message: str) -> RequestRefused:
@@ -72,18 +122,108 @@ def _encodable(data: Any) -> bool:
     return True
 
 
+# A refused field is accepted when its value is the neutral one (what not sending it means), because
+# SDKs and frameworks often send defaults; any other value is refused naming the field.
+Neutral = Callable[[Any], bool]
+
+
+def is_none(value: Any) -> bool:
+    return value is None
+
+
+def one_of(*values: Any) -> Neutral:
+    return lambda value: value is None or any(value == v and type(value) is type(v) for v in values)
+
+
+def check_fields(data: Mapping[str, Any], honoured: frozenset[str], refused: Mapping[str, tuple[str, Neutral]],
+                 where: str = "") -> None:
+    """Every key of ``data`` is honoured, or refused with its reason (unless neutral), or unknown: a
+    field is never silently dropped (docs/api-fields.md lists both tables)."""
+    for key, value in data.items():
+        if key in honoured:
+            continue
+        if key in refused:
+            reason, neutral = refused[key]
+            if neutral(value):
+                continue
+            raise invalid(f"{where}{key}: not supported: {reason}")
+        raise invalid(f"{where}{key}: unknown field")
+
+
+def integer(data: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise invalid(f"{key} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def top_k(data: Mapping[str, Any]) -> int | None:
+    """``top_k``: None, -1 or 0 (all tokens, vLLM's convention), or at least 1."""
+    value = integer(data, "top_k", -1, 1 << 31)
+    return None if value is None or value <= 0 else value
+
+
+MAX_LOGIT_BIAS = 1024  # entries; each is applied at every step of a shared batch
+
+
+def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` with bias in [-100, 100]."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("logit_bias must be an object of token id -> bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias: at most {MAX_LOGIT_BIAS} entries")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise invalid(f"logit_bias: keys are token ids (decimal strings), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise invalid(f"logit_bias[{key}] must be a number in [-100, 100]")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+MAX_N = 16  # completions per request: each is a full generation
+
+
+def json_schema_text(schema: Any, where: str) -> str:
+    if not isinstance(schema, dict):
+        raise invalid(f"{where} must be a JSON Schema object")
+    return json.dumps(schema, sort_keys=True)
+
+
+def user_id(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 256:
+        raise invalid(f"{where} must be a string of at most 256 characters")
+    return value
+
+
 def text_of(content: Any, where: str) -> str:
     """A message's content: a string or a list of ``{"type": "text", "text": ...}`` blocks."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
-        for block in content:
+        for i, block in enumerate(content):
             if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                raise invalid(f"{where}: only text content blocks are supported")
+                raise invalid(f"{where}: only text content blocks are supported (the models served are text-only)")
+            check_fields(block, TEXT_BLOCK_FIELDS, TEXT_BLOCK_REFUSED, f"{where}[{i}].")
             parts.append(block["text"])
         return "".join(parts)
     raise invalid(f"{where}: content must be a string or a list of text blocks")
+
+
+# cache_control: prefix caching is automatic (every request's prefix is cached), so the marker asks
+# for nothing more. citations: a text block's citations are not something the model reads.
+TEXT_BLOCK_FIELDS = frozenset({"type", "text", "cache_control"})
+TEXT_BLOCK_REFUSED: dict[str, tuple[str, Neutral]] = {
+    "citations": ("citations are not passed to the model", lambda v: v is None or v == []),
+}
 
 
 def number(data: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -110,6 +250,8 @@ def stops(value: Any) -> tuple[str, ...]:
         raise invalid("stop sequences must be a string or a list of strings")
     if len(value) > MAX_STOP_SEQUENCES:
         raise invalid(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(value)}")
+    if any(not s for s in value):
+        raise invalid("a stop sequence may not be empty")
     if any(len(s) > MAX_STOP_SEQUENCE_CHARS for s in value):
         raise invalid(f"a stop sequence may be at most {MAX_STOP_SEQUENCE_CHARS} characters")
     return tuple(value)
@@ -123,3 +265,54 @@ def sse(event: str | None, data: Any) -> bytes:
     payload = data if isinstance(data, bytes) else dumps(data)
     head = f"event: {event}\n".encode() if event else b""
     return head + b"data: " + payload + b"\n\n"
+
+
+class Assembler:
+    """Collects an answer's deltas into its finished :class:`Choice`\\ s (one per ``n``).
+
+    ``buffers`` is True when the answer cannot be streamed as it comes: tool calls are recognised
+    only in the whole output, so a tool-using stream sends its content once it ends (the
+    calls each whole in one event). ``parse_tools`` is the engine's
+    :meth:`~zerolayer.runtime.engine.base.Engine.parse_tool_calls`.
+    """
+
+    def __init__(self, request: ChatRequest,
+                 parse_tools: Callable[[str, ToolUse], tuple[str, tuple[ToolCall, ...]]]) -> None:
+        self.request = request
+        self.parse_tools = parse_tools
+        self.buffers = request.tool_use is not None
+        self._text: dict[int, list[str]] = {i: [] for i in range(request.n)}
+        self._logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(request.n)}
+        self._tokens = dict.fromkeys(range(request.n), 0)
+        self._finish: dict[int, str] = {}
+        self._stop: dict[int, str | None] = {}
+
+    def add(self, delta: Any) -> None:
+        """One engine :class:`~zerolayer.runtime.engine.base.Delta`."""
+        self._text[delta.index].append(delta.text)
+        self._logprobs[delta.index].extend(delta.logprobs)
+        self._tokens[delta.index] += delta.token_count
+        if delta.finish_reason:
+            self._finish[delta.index] = delta.finish_reason
+            self._stop[delta.index] = delta.stop_sequence
+
+    def choices(self) -> list[Choice]:
+        """The finished choices, tool calls parsed out of their text where tools were offered."""
+        out = []
+        for i in range(self.request.n):
+            text, calls = "".join(self._text[i]), ()
+            finish = self._finish.get(i, "stop")
+            if self.request.tool_use is not None and finish != "abort":
+                text, calls = self.parse_tools(text, self.request.tool_use)
+            out.append(Choice(i, text, finish, self._tokens[i], self._stop.get(i), calls,
+                              tuple(self._logprobs[i])))
+        return out
+
+
+async def render_prompt(engine: Any, request: ChatRequest) -> Any:
+    """The request's prompt: a raw ``/v1/completions`` text tokenized as it is, else the chat through
+    the engine's template (with the tools, continuing a prefill)."""
+    if request.prompt is not None:
+        return await engine.encode(request.model, request.prompt)
+    return await engine.render(request.model, request.messages, tools=request.tools,
+                               continue_final=request.continue_final)

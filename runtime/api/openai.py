@@ -1,53 +1,269 @@
-"""OpenAI Chat Completions: ``POST /v1/chat/completions`` (JSON and SSE chunks) and ``GET /v1/models``."""
+"""OpenAI: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON and SSE chunks), ``GET /v1/models``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from zerolayer.contract import ERRORS, ErrorCode
-from zerolayer.runtime.api.common import ChatRequest, dumps, invalid, load_json, number, sse, stops, text_of
-from zerolayer.runtime.engine.base import ChatMessage
+from zerolayer.runtime.api.common import (
+    MAX_N,
+    ChatRequest,
+    Choice,
+    Neutral,
+    check_fields,
+    dumps,
+    integer,
+    invalid,
+    is_none,
+    json_schema_text,
+    load_json,
+    logit_bias,
+    number,
+    one_of,
+    sse,
+    stops,
+    text_of,
+    top_k,
+    user_id,
+)
+from zerolayer.runtime.engine.base import ChatMessage, StructuredOutput, TokenLogprob, ToolCall, ToolSpec, ToolUse
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 DEFAULT_MAX_TOKENS = 256
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vllm serve's default for /v1/completions
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETIONS_LOGPROBS = 5  # the legacy API's bound
+
+# Every Chat Completions field is honoured, refused with a reason (unless sent with its neutral value),
+# or unknown (400). docs/api-fields.md is the same table in prose; tests/unit/runtime/test_api_fields_docs.py
+# keeps them equal.
+CHAT_HONOURED = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature",
+    "top_p", "top_k", "stop", "seed", "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+    "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls", "user",
+    "safety_identifier", "prompt_cache_key", "priority", "continue_final_message",
+})
+CHAT_REFUSED: dict[str, tuple[str, Neutral]] = {
+    "audio": ("the models served are text-only", is_none),
+    "modalities": ("the models served produce text only", lambda v: v is None or v == ["text"]),
+    "functions": ("deprecated by OpenAI: use tools", is_none),
+    "function_call": ("deprecated by OpenAI: use tool_choice", is_none),
+    "prediction": ("predicted outputs (speculative decoding from a given text) are not offered", is_none),
+    "reasoning_effort": ("the models served have no reasoning-effort control", is_none),
+    "verbosity": ("the models served have no verbosity control", is_none),
+    "service_tier": ("one tier; priority is the x-anthropic-priority header or the priority field",
+                     one_of("auto", "default")),
+    "store": ("completions are not stored", one_of(False)),
+    "metadata": ("metadata tags stored completions, which are not kept", lambda v: v is None or v == {}),
+    "web_search_options": ("no web search tool runs here", is_none),
+    "prompt_cache_retention": ("cached prefixes live as long as KV memory allows", is_none),
+}
+COMPLETIONS_HONOURED = frozenset({
+    "model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "stop", "seed",
+    "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "priority",
+})
+COMPLETIONS_REFUSED: dict[str, tuple[str, Neutral]] = {
+    "suffix": ("insertion (fill-in-the-middle) is not offered", lambda v: v is None or v == ""),
+    "echo": ("the prompt is not echoed back", one_of(False)),
+    "best_of": ("server-side best-of is not offered (vLLM V1 dropped it): use n", one_of(1)),
+}
+MESSAGE_FIELDS = frozenset({"role", "content", "tool_calls", "tool_call_id"})
+MESSAGE_REFUSED: dict[str, tuple[str, Neutral]] = {
+    "name": ("participant names are not passed to the chat template", is_none),
+    "refusal": ("refusals are not replayed to the model", is_none),
+    "audio": ("the models served are text-only", is_none),
+    "function_call": ("deprecated by OpenAI: use tool_calls", is_none),
+}
 
 
 def parse(body: bytes) -> ChatRequest:
+    """A ``/v1/chat/completions`` body."""
     data = load_json(body)
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model: required string")
+    check_fields(data, CHAT_HONOURED, CHAT_REFUSED)
+    model = _model(data)
     raw = data.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages: required non-empty list")
-    messages = []
-    for i, message in enumerate(raw):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant"):
-            raise invalid(f"messages[{i}].role must be system, developer, user or assistant")
-        messages.append(ChatMessage(role, text_of(message.get("content"), f"messages[{i}].content")))
-    max_tokens = output_limit(data)
-    if data.get("n", 1) not in (1, None):
-        raise invalid("n: only 1 is supported")
+    messages = tuple(_message(m, i) for i, m in enumerate(raw))
+    tools, tool_use = _tools(data)
+    continue_final = data.get("continue_final_message", False)
+    if not isinstance(continue_final, bool):
+        raise invalid("continue_final_message must be a boolean")
+    if continue_final and messages[-1].role != "assistant":
+        raise invalid("continue_final_message: the last message must be the assistant's prefill")
+    top = integer(data, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    wants_logprobs = data.get("logprobs")
+    if wants_logprobs is not None and not isinstance(wants_logprobs, bool):
+        raise invalid("logprobs must be a boolean (top_logprobs says how many alternatives)")
+    if top is not None and not wants_logprobs:
+        raise invalid("top_logprobs needs logprobs: true")
+    return ChatRequest(
+        messages=messages,
+        max_tokens=output_limit(data),
+        **_sampling(data, model),
+        logprobs=(top or 0) if wants_logprobs else None,
+        structured=_response_format(data.get("response_format")),
+        tools=tools,
+        tool_use=tool_use,
+        continue_final=continue_final,
+    )
+
+
+def parse_completions(body: bytes) -> ChatRequest:
+    """A ``/v1/completions`` body: one text prompt, tokenized without a template."""
+    data = load_json(body)
+    check_fields(data, COMPLETIONS_HONOURED, COMPLETIONS_REFUSED)
+    model = _model(data)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise invalid("prompt: one non-empty string per request (a list of prompts or of token ids is not taken)")
+    value = data.get("max_tokens")
+    if value is None:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid(f"max_tokens: must be an integer >= 1, got {value!r}")
+    else:
+        max_tokens = value
+    return ChatRequest(messages=(), max_tokens=max_tokens, prompt=prompt, **_sampling(data, model),
+                       logprobs=integer(data, "logprobs", 0, MAX_COMPLETIONS_LOGPROBS))
+
+
+def _model(data: dict[str, Any]) -> str:
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model: required string")
+    return model
+
+
+def _sampling(data: dict[str, Any], model: str) -> dict[str, Any]:
+    """The fields Chat Completions and Completions share."""
     priority = data.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise invalid("priority: must be an integer (lower runs first)")
-    options = data.get("stream_options") or {}
+    options = data.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
+        raise invalid("stream_options: only include_usage is supported")
     seed = data.get("seed")
-    return ChatRequest(
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise invalid("seed must be an integer")
+    return dict(
         model=model,
-        messages=tuple(messages),
-        max_tokens=max_tokens,
         stream=bool(data.get("stream", False)),
         temperature=number(data, "temperature", 1.0, 0.0, 2.0),
         top_p=number(data, "top_p", 1.0, 0.0, 1.0),
+        top_k=top_k(data),
         stop=stops(data.get("stop")),
-        seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None,
+        seed=seed,
+        n=integer(data, "n", 1, MAX_N) or 1,
+        presence_penalty=number(data, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=number(data, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=logit_bias(data.get("logit_bias")),
         priority=priority,
-        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        include_usage=bool(options and options.get("include_usage")),
+        user=user_id(data.get("user"), "user") or user_id(data.get("safety_identifier"), "safety_identifier"),
     )
+
+
+def _message(message: Any, i: int) -> ChatMessage:
+    where = f"messages[{i}]"
+    role = message.get("role") if isinstance(message, dict) else None
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise invalid(f"{where}.role must be system, developer, user, assistant or tool")
+    check_fields(message, MESSAGE_FIELDS, MESSAGE_REFUSED, f"{where}.")
+    content = message.get("content")
+    calls: tuple[ToolCall, ...] = ()
+    if role == "assistant" and message.get("tool_calls"):
+        calls = tuple(_history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(message["tool_calls"]))
+        text = "" if content is None else text_of(content, f"{where}.content")
+    else:
+        if message.get("tool_calls") is not None:
+            raise invalid(f"{where}.tool_calls: only assistant messages carry tool calls")
+        text = text_of(content, f"{where}.content")
+    call_id = message.get("tool_call_id")
+    if role == "tool":
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"{where}.tool_call_id: required string for a tool message")
+    elif call_id is not None:
+        raise invalid(f"{where}.tool_call_id: only tool messages answer a call")
+    return ChatMessage(role, text, tool_calls=calls, tool_call_id=call_id)
+
+
+def _history_call(call: Any, where: str) -> ToolCall:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function":
+        raise invalid(f"{where}: must be {{'type': 'function', 'function': {{name, arguments}}}}")
+    name, arguments = function.get("name"), function.get("arguments")
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        raise invalid(f"{where}.function: name and arguments (a JSON string) are required")
+    return ToolCall(str(call.get("id") or ""), name, arguments)
+
+
+def _tools(data: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolUse | None]:
+    raw = data.get("tools")
+    choice = data.get("tool_choice")
+    parallel = data.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls must be a boolean")
+    if not raw:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice needs tools")
+        return (), None
+    if not isinstance(raw, list):
+        raise invalid("tools must be a list")
+    tools = tuple(_tool(t, i) for i, t in enumerate(raw))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid("tools: names must be unique")
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return tools, None
+    if choice in ("auto", "required"):
+        return tools, ToolUse(tools, choice, parallel=parallel is not False)
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise invalid("tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}")
+    if name not in names:
+        raise invalid(f"tool_choice names {name!r}, which is not among the tools")
+    return tools, ToolUse(tools, "function", name, parallel=False)
+
+
+def _tool(tool: Any, i: int) -> ToolSpec:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise invalid(f"{where}: only function tools are supported")
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise invalid(f"{where}.function.name: required string")
+    check_fields(function, frozenset({"name", "description", "parameters", "strict"}), {}, f"{where}.function.")
+    description = function.get("description") or ""
+    if not isinstance(description, str):
+        raise invalid(f"{where}.function.description must be a string")
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    # strict: the arguments always follow the schema where the call is forced (a structured output);
+    # under "auto" they are what the model wrote, as in vllm serve.
+    return ToolSpec(function["name"], description, json_schema_text(parameters, f"{where}.function.parameters"))
+
+
+def _response_format(value: Any) -> StructuredOutput | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise invalid("response_format.json_schema.schema: required JSON Schema")
+        return StructuredOutput("json_schema", json_schema_text(spec["schema"], "response_format.json_schema.schema"))
+    raise invalid("response_format.type must be text, json_object or json_schema")
 
 
 def output_limit(data: dict[str, Any]) -> int:
@@ -68,28 +284,132 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def completion(cid: str, created: int, model: str, text: str, finish: str, use: dict[str, int]) -> dict[str, Any]:
-    return {
-        "id": cid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": finish, "logprobs": None}],
-        "usage": use,
-    }
+    return chat_completion(cid, created, model, [Choice(0, text, finish)], use)
+
+
+def finish_reason(choice: Choice, tool_use: ToolUse | None = None) -> str:
+    """``tool_calls`` when the model called tools, except for a named forced function, where OpenAI
+    says ``stop``; else the engine's reason in OpenAI's words."""
+    if choice.tool_calls and not (tool_use is not None and tool_use.choice == "function"):
+        return "tool_calls"
+    return FINISH_REASONS.get(choice.finish, "stop")
+
+
+def chat_completion(cid: str, created: int, model: str, choices: Sequence[Choice], use: dict[str, int],
+                    tool_use: ToolUse | None = None, logprobs: bool = False) -> dict[str, Any]:
+    """A ``chat.completion`` object with one entry per choice."""
+    out = []
+    for c in choices:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None}
+        if c.tool_calls:
+            message["tool_calls"] = tool_calls(c.tool_calls)
+        out.append({"index": c.index, "message": message, "finish_reason": finish_reason(c, tool_use),
+                    "logprobs": chat_logprobs(c.logprobs) if logprobs else None})
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": use}
+
+
+def text_completion(cid: str, created: int, model: str, choices: Sequence[Choice], use: dict[str, int],
+                    logprobs: bool = False) -> dict[str, Any]:
+    """A ``text_completion`` object (``/v1/completions``)."""
+    return {"id": cid, "object": "text_completion", "created": created, "model": model, "usage": use,
+            "choices": [{"index": c.index, "text": c.text, "finish_reason": finish_reason(c),
+                         "logprobs": completion_logprobs(c.logprobs) if logprobs else None} for c in choices]}
+
+
+def text_chunk(cid: str, created: int, model: str, index: int, text: str, finish: str | None,
+               lps: Sequence[TokenLogprob] | None = None, use: dict[str, int] | None = None,
+               include_usage: bool = False) -> bytes:
+    """One ``/v1/completions`` stream event."""
+    body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [{"index": index, "text": text, "finish_reason": finish,
+                                         "logprobs": completion_logprobs(lps) if lps is not None else None}]}
+    if include_usage:
+        body["usage"] = use
+    return sse(None, body)
+
+
+def tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def tool_call_deltas(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """Streamed calls, each whole in one delta (``index`` tells them apart)."""
+    return [{"index": i, **call} for i, call in enumerate(tool_calls(calls))]
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """Chat Completions' ``logprobs`` object: ``{"content": [...]}``, one entry per token."""
+    return {"content": [
+        {"token": lp.token, "logprob": lp.logprob, "bytes": _bytes(lp.token),
+         "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in lp.top]}
+        for lp in lps]}
+
+
+def completion_logprobs(lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The legacy Completions ``logprobs`` object (parallel lists; offsets into the text)."""
+    offsets, at = [], 0
+    for lp in lps:
+        offsets.append(at)
+        at += len(lp.token)
+    return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [dict(lp.top) for lp in lps], "text_offset": offsets}
 
 
 def chunk(cid: str, created: int, model: str, delta: dict[str, Any], finish: str | None,
-          use: dict[str, int] | None = None, include_usage: bool = False) -> bytes:
+          use: dict[str, int] | None = None, include_usage: bool = False, index: int = 0,
+          logprobs: dict[str, Any] | None = None) -> bytes:
     body: dict[str, Any] = {
         "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
     }
     if include_usage:
         body["usage"] = use
     return sse(None, body)
 
 
-def usage_chunk(cid: str, created: int, model: str, use: dict[str, int]) -> bytes:
-    return sse(None, {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                      "choices": [], "usage": use})
+def stream_piece(cid: str, created: int, model: str, delta: Any, include_usage: bool = False,
+                 logprobs: bool = False) -> bytes:
+    """One engine delta (of choice ``delta.index``) as a chat chunk: its text and, when asked, its logprobs."""
+    return chunk(cid, created, model, {"content": delta.text}, None, include_usage=include_usage, index=delta.index,
+                 logprobs=chat_logprobs(delta.logprobs) if logprobs else None)
+
+
+def stream_close(cid: str, created: int, model: str, choices: Sequence[Choice], use: dict[str, int],
+                 include_usage: bool = False, tool_use: ToolUse | None = None, buffered: bool = False,
+                 logprobs: bool = False) -> bytes:
+    """The end of a chat stream: for a ``buffered`` (tool-using) answer each choice's content and
+    calls first, then a finish chunk per choice, the usage chunk when asked, ``[DONE]``."""
+    out = b""
+    for c in choices:
+        if buffered:
+            delta: dict[str, Any] = {"content": c.text} if c.text or not c.tool_calls else {}
+            if c.tool_calls:
+                delta["tool_calls"] = tool_call_deltas(c.tool_calls)
+            out += chunk(cid, created, model, delta, None, include_usage=include_usage, index=c.index,
+                         logprobs=chat_logprobs(c.logprobs) if logprobs else None)
+        out += chunk(cid, created, model, {}, finish_reason(c, tool_use), include_usage=include_usage, index=c.index)
+    if include_usage:
+        out += usage_chunk(cid, created, model, use)
+    return out + DONE
+
+
+def text_stream_close(cid: str, created: int, model: str, choices: Sequence[Choice], use: dict[str, int],
+                      include_usage: bool = False) -> bytes:
+    """The end of a ``/v1/completions`` stream: a finish event per choice, usage when asked, ``[DONE]``."""
+    out = b"".join(text_chunk(cid, created, model, c.index, "", finish_reason(c), include_usage=include_usage)
+                   for c in choices)
+    if include_usage:
+        out += usage_chunk(cid, created, model, use, obj="text_completion")
+    return out + DONE
+
+
+def usage_chunk(cid: str, created: int, model: str, use: dict[str, int], obj: str = "chat.completion.chunk") -> bytes:
+    return sse(None, {"id": cid, "object": obj, "created": created, "model": model, "choices": [], "usage": use})
 
 
 DONE = b"data: [DONE]\n\n"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from zerolayer.contract import ErrorCode
 from zerolayer.runtime.api import openai
-from zerolayer.runtime.api.common import ChatRequest, dumps
+from zerolayer.runtime.api.common import ChatRequest, Choice, dumps
 from zerolayer.runtime.api.wire import StreamFrame
+from zerolayer.runtime.engine.base import Delta
 
 
 class OpenAIWire:
@@ -15,28 +18,31 @@ class OpenAIWire:
     def parse(self, body: bytes) -> ChatRequest:
         return openai.parse(body)
 
-    def completion(self, frame: StreamFrame, text: str, finish: str, prompt_tokens: int,
+    def completion(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
                    output_tokens: int) -> bytes:
-        return dumps(openai.completion(frame.request_id, frame.created, frame.request.model, text,
-                                       openai.FINISH_REASONS.get(finish, "stop"),
-                                       openai.usage(prompt_tokens, output_tokens)))
+        request = frame.request
+        return dumps(openai.chat_completion(frame.request_id, frame.created, request.model, choices,
+                                            openai.usage(prompt_tokens, output_tokens), tool_use=request.tool_use,
+                                            logprobs=request.logprobs is not None))
 
     def stream_start(self, frame: StreamFrame, prompt_tokens: int) -> bytes:
-        return openai.chunk(frame.request_id, frame.created, frame.request.model, {"role": "assistant", "content": ""},
-                            None, include_usage=frame.request.include_usage)
-
-    def stream_delta(self, frame: StreamFrame, text: str) -> bytes:
-        return openai.chunk(frame.request_id, frame.created, frame.request.model, {"content": text}, None,
-                            include_usage=frame.request.include_usage)
-
-    def stream_end(self, frame: StreamFrame, finish: str, prompt_tokens: int, output_tokens: int) -> bytes:
         request = frame.request
-        tail = openai.chunk(frame.request_id, frame.created, request.model, {},
-                            openai.FINISH_REASONS.get(finish, "stop"), include_usage=request.include_usage)
-        if request.include_usage:
-            tail += openai.usage_chunk(frame.request_id, frame.created, request.model,
-                                       openai.usage(prompt_tokens, output_tokens))
-        return tail + openai.DONE
+        return b"".join(openai.chunk(frame.request_id, frame.created, request.model,
+                                     {"role": "assistant", "content": ""}, None,
+                                     include_usage=request.include_usage, index=i) for i in range(request.n))
+
+    def stream_delta(self, frame: StreamFrame, delta: Delta) -> bytes:
+        request = frame.request
+        return openai.stream_piece(frame.request_id, frame.created, request.model, delta,
+                                   include_usage=request.include_usage, logprobs=request.logprobs is not None)
+
+    def stream_end(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
+                   output_tokens: int) -> bytes:
+        request = frame.request
+        return openai.stream_close(frame.request_id, frame.created, request.model, choices,
+                                   openai.usage(prompt_tokens, output_tokens), include_usage=request.include_usage,
+                                   tool_use=request.tool_use, buffered=request.tool_use is not None,
+                                   logprobs=request.logprobs is not None)
 
     def stream_error(self, code: ErrorCode, message: str) -> bytes:
         return openai.stream_error(code, message)

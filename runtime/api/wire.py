@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from zerolayer.contract import ERROR_HEADER, ERRORS, ErrorCode
-from zerolayer.runtime.api.common import ChatRequest
+from zerolayer.runtime.api.common import ChatRequest, Choice
+from zerolayer.runtime.engine.base import Delta
 from zerolayer.runtime.errors import RequestRefused
 
 
@@ -43,21 +44,24 @@ class WireApi(Protocol):
         """The request, or :class:`RequestRefused` (INVALID_REQUEST) naming the bad field."""
         ...
 
-    def completion(self, frame: StreamFrame, text: str, finish: str, prompt_tokens: int,
+    def completion(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
                    output_tokens: int) -> bytes:
-        """The JSON body of a non-streamed answer. ``finish`` is the engine's reason (stop/length/abort)."""
+        """The JSON body of a non-streamed answer: one :class:`Choice` per ``n`` (text, the engine's
+        finish reason, matched stop string, tool calls, logprobs)."""
         ...
 
     def stream_start(self, frame: StreamFrame, prompt_tokens: int) -> bytes:
         """The SSE events sent before the first token."""
         ...
 
-    def stream_delta(self, frame: StreamFrame, text: str) -> bytes:
-        """The SSE event for one piece of generated text (never empty)."""
+    def stream_delta(self, frame: StreamFrame, delta: Delta) -> bytes:
+        """The SSE event for one engine delta (text or logprobs, of choice ``delta.index``). Not called
+        for a request whose answer is sent whole at the end (tools: ``Assembler.buffers``)."""
         ...
 
-    def stream_end(self, frame: StreamFrame, finish: str, prompt_tokens: int, output_tokens: int) -> bytes:
-        """The SSE events that close a stream that ended normally."""
+    def stream_end(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
+                   output_tokens: int) -> bytes:
+        """The SSE events that close a stream that ended normally (and, for a buffered answer, its content)."""
         ...
 
     def stream_error(self, code: ErrorCode, message: str) -> bytes:

@@ -472,6 +472,9 @@ def sampling_params(options: SamplingOptions) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    # Whitespace inside generated JSON is the engine's setting (vLLM reads disable_any_whitespace from
+    # its structured_outputs_config, not per request): engine_args {"structured_outputs_config":
+    # {"backend": "xgrammar", "disable_any_whitespace": true}} keeps small models from looping on whitespace.
     structured = None
     if options.tools is not None and options.tools.choice in ("required", "function"):
         structured = StructuredOutputsParams(json=forced.forced_schema(options.tools))

@@ -60,7 +60,7 @@ def test_openai_parse_priority_and_defaults():
 
 
 @pytest.mark.parametrize("body", [
-    b'{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}',
+    b'{"model":"m","messages":[{"role":"user","content":"x"}],"n":0}',
     b'{"model":"m","messages":[{"role":"user","content":"x"}],"priority":"high"}',
     b'{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}',
 ])
