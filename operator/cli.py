@@ -6,6 +6,7 @@ import argparse
 import functools
 import logging
 import os
+import socket
 
 from zerolayer.operator.errors import ConfigError
 
@@ -81,7 +82,9 @@ def _run(args: argparse.Namespace) -> int:
             metrics.serve(args.metrics_port)
         except OSError as exc:
             raise SystemExit(f"zerolayer operator: cannot serve metrics on port {args.metrics_port}: {exc}") from exc
-    registry = build_registry(config, kubeconfig=args.kubeconfig, metrics=metrics, selector=selector)
+    identity = args.leader_identity or socket.gethostname()
+    registry = build_registry(config, kubeconfig=args.kubeconfig, metrics=metrics, selector=selector,
+                              identity=identity)
     operator = functools.partial(
         kopf.operator,
         registry=registry,
@@ -92,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
     if not config.leader_election:
         asyncio.run(operator())
         return 0
-    return asyncio.run(_lead_then_operate(config, args, metrics, operator))
+    return asyncio.run(_lead_then_operate(config, args, identity, metrics, operator))
 
 
 async def _apply_crds(args: argparse.Namespace) -> int:
@@ -116,18 +119,16 @@ async def _apply_crds(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _lead_then_operate(config, args: argparse.Namespace, metrics, operator) -> int:
+async def _lead_then_operate(config, args: argparse.Namespace, identity: str, metrics, operator) -> int:
     """Stand by until this replica holds the Lease, then run kopf while renewing it; stop acting
     the moment the Lease is lost (exit 1: Kubernetes restarts the container as a standby)."""
     import asyncio
-    import socket
 
     from zerolayer.operator.kube import Credentials, Kube
     from zerolayer.operator.leader import LeaderElector
 
     log = logging.getLogger("zerolayer.operator")
     kube = Kube(await asyncio.to_thread(Credentials.load, args.kubeconfig), on_request=metrics.on_request)
-    identity = args.leader_identity or socket.gethostname()
     elector = LeaderElector(kube, config.operator_namespace, config.lease_name, identity, config.lease_seconds)
     health = _StandbyHealth(args.health_port) if args.health_port else None
     try:

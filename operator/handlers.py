@@ -73,7 +73,7 @@ def _owner(body: Mapping[str, Any]) -> tuple[str, str] | None:
 
 def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
                    metrics: OperatorMetrics | None = None,
-                   selector: Mapping[str, str] | None = None) -> kopf.OperatorRegistry:
+                   selector: Mapping[str, str] | None = None, identity: str | None = None) -> kopf.OperatorRegistry:
     """All handlers, registered into a fresh registry (so tests can build several).
 
     ``selector`` (labels) limits the operator to the InferenceNodes and TenantQuotas that
@@ -103,7 +103,7 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         # Only the login handler is synchronous; it needs no more threads than this.
         settings.execution.max_workers = 4
         credentials = await asyncio.to_thread(Credentials.load, kubeconfig)  # reads files
-        kube = Kube(credentials, on_request=metrics.on_request,
+        kube = Kube(credentials, on_request=metrics.on_request, identity=identity,
                     crd_cache_seconds=min(config.resync_seconds, CRD_CACHE_SECONDS))
         ns = config.runtime_namespace
         for api_version, kind, namespace in WATCHED_KINDS:
