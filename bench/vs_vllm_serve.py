@@ -15,13 +15,15 @@ vLLM's priority scheduling policy, which zerolayer always sets), same client, th
                change this environment's packages.
 
 All three run at once; for each concurrency the client runs against each stack back to back,
-so shared-CPU noise hits them alike. Client: ``vllm bench serve --backend openai-chat
+``--rounds`` times with the order rotated, and the tables show each metric's median over the
+rounds (the per-round throughput ratios are printed too: on a shared 2-core machine one run
+can be off by 2x). Client: ``vllm bench serve --backend openai-chat
 --endpoint /v1/chat/completions --dataset-name random --random-input-len 64
 --random-output-len 32`` (streaming, the key as ``OPENAI_API_KEY``). Server CPU per request
 is the user+system time of each stack's whole process tree (API server and engine core; for
 LiteLLM, LiteLLM plus the vllm serve behind it) over the run ÷ completed requests.
 
-    python bench/vs_vllm_serve.py [--concurrency 1 4 16] [--prompts 64]
+    python bench/vs_vllm_serve.py [--concurrency 1 4 16] [--prompts 64] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import contextlib
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,7 +102,8 @@ def bench_serve(port: int, concurrency: int, prompts: int, pid: int, pids_extra:
                "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "32",
                "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--num-warmups",
                str(min(concurrency, 4)), "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
-               "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", tmp, "--result-filename", "r.json"]
+               "--seed", "0", "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", tmp,
+               "--result-filename", "r.json"]
         meters = [benchlib.CpuMeter(p) for p in (pid, pids_extra) if p]
         env = {**os.environ, "OPENAI_API_KEY": benchlib.KEY}
         # The client imports vLLM for a while before it sends anything: start the meters late enough not to
@@ -115,11 +119,33 @@ def bench_serve(port: int, concurrency: int, prompts: int, pid: int, pids_extra:
             "median_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p50_tpot_ms",
             "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms")
     out = {k: result[k] for k in keep if k in result}
+    out.update(first_token_metrics(result))
     out["server_cpu_s"] = cpu
     out["cpu_ms_per_req"] = cpu * 1000 / out["completed"] if out.get("completed") else None
     out["command"] = " ".join(["vllm", *cmd[len(VLLM_CLI):]]).replace(str(MODEL_DIR), "MODEL").replace(
         f"--result-dir {tmp} ", "")
     return out
+
+
+def first_token_metrics(result: dict) -> dict:
+    """TTFT to the first *token* chunk, and TPOT from it, per request from the detailed result.
+
+    ``vllm bench serve`` stamps TTFT at the first SSE chunk carrying ``choices``. Both servers'
+    first chunk is the role chunk (``{"role": "assistant", "content": ""}``), but vLLM sends it
+    with the first token while the zerolayer runtime sends it as soon as the stream is admitted,
+    before the engine has produced anything. The first token is in the second chunk for both, so
+    TTFT(token) = ttft + itl[0]; TPOT(token) = (latency - TTFT(token)) / (output tokens - 1)."""
+    ttfts, tpots = [], []
+    for ttft, itl, latency, n, err in zip(result["ttfts"], result["itls"], result["latencies"],
+                                          result["output_lens"], result["errors"]):
+        if err or not itl:
+            continue
+        first = ttft + itl[0]
+        ttfts.append(first * 1000)
+        if n and n > 1:
+            tpots.append((latency - first) / (n - 1) * 1000)
+    return {"p50_ttft_token_ms": benchlib.percentile(ttfts, 0.5), "p99_ttft_token_ms": benchlib.percentile(ttfts, 0.99),
+            "p50_tpot_token_ms": benchlib.percentile(tpots, 0.5)}
 
 
 @contextlib.contextmanager
@@ -149,23 +175,37 @@ def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path) -> Iterator[di
         yield found
 
 
-def report(results: dict[int, dict[str, dict]], args: argparse.Namespace) -> str:
+def median_of(runs: list[dict]) -> dict:
+    """Each numeric field's median over the rounds (other fields from the first round)."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs if r.get(key) is not None)
+    return out
+
+
+def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
+           rounds: dict[int, dict[str, list[dict]]]) -> str:
     rev = os.environ.get("ZEROLAYER_BENCH_REV", "working tree")
     lines = [
         f"zerolayer vs vllm serve vs LiteLLM proxy -> vllm serve; tiny random-weight Llama on vLLM {vllm_version()} "
         f"(CPU), random dataset 64 in / 32 out tokens, {args.prompts} prompts per point, streaming "
-        f"/v1/chat/completions; runtime at {rev}",
+        f"/v1/chat/completions; medians of {args.rounds} interleaved rounds; runtime at {rev}",
         benchlib.machine_line(),
         "",
-        f"{'conc':>4} {'stack':<11} {'done':>5} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
-        f"{'CPU ms/req':>10}",
+        f"{'conc':>4} {'stack':<11} {'done':>5} {'out tok':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'CPU ms/req':>10} {'1st-chunk p50':>13}",
     ]
     for c, rows in results.items():
         for name, r in rows.items():
-            lines.append(f"{c:>4} {name:<11} {r['completed']:>5} {r['output_throughput']:9.1f} "
-                         f"{r['p50_ttft_ms']:9.1f} {r['p99_ttft_ms']:9.1f} {r['p50_tpot_ms']:9.1f} "
-                         f"{r['cpu_ms_per_req']:10.1f}")
-    lines += ["", "ratios (out tok/s: >1 = zerolayer faster; TTFT and CPU/req: <1 = zerolayer lower):",
+            lines.append(f"{c:>4} {name:<11} {int(r['completed']):>5} {int(r['total_output_tokens']):>7} "
+                         f"{r['output_throughput']:9.1f} {r['p50_ttft_token_ms']:9.1f} {r['p99_ttft_token_ms']:9.1f} "
+                         f"{r['p50_tpot_token_ms']:9.1f} {r['cpu_ms_per_req']:10.1f} {r['p50_ttft_ms']:13.1f}")
+    lines += ["", "TTFT = to the first token's chunk; TPOT from it (see first_token_metrics). 1st-chunk p50 is what",
+              "vllm bench serve itself prints as TTFT: the first SSE chunk, which the runtime sends (role only) when",
+              "the stream is admitted and vLLM sends with the first token, so it flatters the runtime; not used below.",
+              "", "ratios zerolayer / other (out tok/s: >1 = zerolayer faster; TTFT, TPOT, CPU/req: <1 = zerolayer "
+                  "lower):",
               f"{'conc':>4} {'against':<11} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
               f"{'CPU/req':>9}"]
     for c, rows in results.items():
@@ -175,10 +215,15 @@ def report(results: dict[int, dict[str, dict]], args: argparse.Namespace) -> str
                 continue
             o = rows[other]
             lines.append(f"{c:>4} {other:<11} {benchlib.ratio(z['output_throughput'], o['output_throughput']):>9} "
-                         f"{benchlib.ratio(z['p50_ttft_ms'], o['p50_ttft_ms']):>9} "
-                         f"{benchlib.ratio(z['p99_ttft_ms'], o['p99_ttft_ms']):>9} "
-                         f"{benchlib.ratio(z['p50_tpot_ms'], o['p50_tpot_ms']):>9} "
+                         f"{benchlib.ratio(z['p50_ttft_token_ms'], o['p50_ttft_token_ms']):>9} "
+                         f"{benchlib.ratio(z['p99_ttft_token_ms'], o['p99_ttft_token_ms']):>9} "
+                         f"{benchlib.ratio(z['p50_tpot_token_ms'], o['p50_tpot_token_ms']):>9} "
                          f"{benchlib.ratio(z['cpu_ms_per_req'], o['cpu_ms_per_req']):>9}")
+    lines += ["", "zerolayer / vllm-serve out tok/s in each round (the spread is the machine's noise):"]
+    for c, by_name in rounds.items():
+        per_round = [benchlib.ratio(z["output_throughput"], v["output_throughput"])
+                     for z, v in zip(by_name["zerolayer"], by_name["vllm-serve"])]
+        lines.append(f"  c={c}: {', '.join(per_round)}")
     lines += ["", "goals (issue 14): vs vllm-serve out tok/s >= 1.00x and TTFT <= 1.00x at every concurrency; "
                   "vs litellm out tok/s >= 1.50x and TTFT p99 <= 0.50x.",
               "", "client command (per point; the key in OPENAI_API_KEY):",
@@ -203,7 +248,8 @@ def plot(results: dict[int, dict[str, dict]], path: pathlib.Path) -> None:
     names = list(next(iter(results.values())))
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for key, ax, label in (("output_throughput", axes[0], "output tokens/s"),
-                           ("p50_ttft_ms", axes[1], "TTFT p50 (ms)"), ("p99_ttft_ms", axes[2], "TTFT p99 (ms)")):
+                           ("p50_ttft_token_ms", axes[1], "TTFT p50 (ms, first token)"),
+                           ("p99_ttft_token_ms", axes[2], "TTFT p99 (ms, first token)")):
         for name in names:
             ax.plot(conc, [results[c][name][key] for c in conc], marker="o", label=name)
         ax.set_xscale("log", base=2)
@@ -219,7 +265,9 @@ def plot(results: dict[int, dict[str, dict]], path: pathlib.Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--prompts", type=int, default=64, help="prompts per concurrency and stack")
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per concurrency, stack and round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs per concurrency and stack, interleaved; the tables show medians")
     parser.add_argument("--litellm", default=str(DEFAULT_LITELLM),
                         help="LiteLLM's virtual environment ('' to skip LiteLLM)")
     parser.add_argument("--name", default="vs_vllm_serve")
@@ -230,23 +278,28 @@ def main() -> int:
     venv = pathlib.Path(args.litellm) if args.litellm else None
     if venv is not None and not (venv / "bin" / "litellm").exists():
         parser.error(f"no LiteLLM in {venv}: python3 -m venv {venv} && {venv}/bin/pip install 'litellm[proxy]'")
-    results: dict[int, dict[str, dict]] = {}
+    rounds: dict[int, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory() as logs, stacks(venv, pathlib.Path(logs)) as found:
         try:
             for c in args.concurrency:
-                results[c] = {}
-                for name, (port, pid, extra) in found.items():
-                    results[c][name] = bench_serve(port, c, args.prompts, pid, extra)
-                    r = results[c][name]
-                    print(f"c={c} {name}: {r['output_throughput']:.1f} tok/s, TTFT p50 {r['p50_ttft_ms']:.1f} ms",
-                          file=sys.stderr, flush=True)
+                rounds[c] = {name: [] for name in found}
+                for k in range(args.rounds):
+                    # Rotate who goes first each round, so a burst of outside load does not always hit one stack.
+                    order = list(found)[k % len(found):] + list(found)[:k % len(found)]
+                    for name in order:
+                        port, pid, extra = found[name]
+                        r = bench_serve(port, c, args.prompts, pid, extra)
+                        rounds[c][name].append(r)
+                        print(f"c={c} round {k + 1} {name}: {r['output_throughput']:.1f} tok/s, TTFT p50 "
+                              f"{r['p50_ttft_token_ms']:.1f} ms", file=sys.stderr, flush=True)
         except Exception:
             for log in pathlib.Path(logs).glob("*.log"):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
             raise
-    text = report(results, args)
+    results = {c: {name: median_of(runs) for name, runs in by_name.items()} for c, by_name in rounds.items()}
+    text = report(results, args, rounds)
     print(text)
-    benchlib.save(args.name, text, {"results": results, "command": benchlib.bench_argv(),
+    benchlib.save(args.name, text, {"results": results, "rounds": rounds, "command": benchlib.bench_argv(),
                                     "runtime_rev": os.environ.get("ZEROLAYER_BENCH_REV", "working tree")})
     plot(results, benchlib.RESULTS / f"{args.name}.png")
     return 0
