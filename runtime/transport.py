@@ -110,7 +110,7 @@ class _Channel:
     async def send_head(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
         self.head_sent = True
         self.conn.core.send_head(self.sid, status, headers)
-        self.conn.flush()
+        self.conn.flush_soon()  # leaves with the body, or with the next send's immediate flush
 
     async def send(self, data: bytes) -> None:
         core = self.conn.core
@@ -123,7 +123,7 @@ class _Channel:
     async def end(self, data: bytes = b"") -> None:
         self.ended = True
         self.conn.core.send_data(self.sid, data, end=True)
-        self.conn.flush()
+        self.conn.flush_soon()
 
     def reset(self, error_code: int) -> None:
         self.ended = True
@@ -145,6 +145,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._writable = asyncio.Event()
         self._timer: asyncio.Task[None] | None = None
+        self._flush_pending = False
         self.closed = False
         self.peer: str | None = None  # counted in the server's PeerLedger while set
 
@@ -182,7 +183,7 @@ class Connection(asyncio.Protocol):
             data, self._sniff = self._sniff, b""
         self._handle(self.core.receive(data))
         self._writable.set()  # WINDOW_UPDATEs may have opened windows
-        self.flush()
+        self.flush_soon()
 
     def eof_received(self) -> bool | None:
         if self.core is not None and isinstance(self.core, H1ServerCore):
@@ -263,7 +264,24 @@ class Connection(asyncio.Protocol):
                 if not channel.ended and self.core.is_open(sid):
                     self.core.reset(sid, H2_CANCEL)
                 self._handle(self.core.resume())  # HTTP/1.1: the next request may be waiting
-                self.flush()
+                self.flush_soon()
+
+    def flush_soon(self) -> None:
+        """Flush once the current event-loop iteration's callbacks have run.
+
+        Everything the core produced in the meantime — the answers of every stream that finished
+        in this iteration, their heads and bodies, control frames for what was read — then
+        leaves in one ``write``: a syscall per connection per iteration instead of several per
+        request. A stream writing a body in pieces still flushes at once (:meth:`_Channel.send`),
+        so backpressure sees the socket's real state.
+        """
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._deferred_flush)
+
+    def _deferred_flush(self) -> None:
+        self._flush_pending = False
+        self.flush()
 
     def flush(self) -> None:
         if self.transport is None or self.closed or self.core is None:

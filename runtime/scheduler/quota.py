@@ -110,8 +110,9 @@ class TenantLedger:
         """Seconds until every current charge has left the window (OpenAI's ``reset-*``)."""
         self.expire(now)
         if tokens:
-            live = [c.at for c in self._charges if c.tokens > 0]
-            newest = live[-1] if live else None
+            # Newest first: O(1) in the usual case (this runs on every admission; the window can
+            # hold a minute of charges).
+            newest = next((c.at for c in reversed(self._charges) if c.tokens > 0), None)
         else:
             newest = self._requests[-1] if self._requests else None
         return 0.0 if newest is None else max(0.0, newest + self.window_s - now)
