@@ -30,7 +30,7 @@ class Channel(Protocol):
 async def respond(channel: Channel, metrics: RuntimeMetrics, status: int, headers: Sequence[tuple[str, str]],
                   body: bytes, route: str) -> None:
     """A whole response: head with content-length, then the body."""
-    metrics.requests.labels(route, str(status)).inc()
+    metrics.count_request(route, status)
     await channel.send_head(status, [*headers, ("content-length", str(len(body)))])
     await channel.end(body)
 

@@ -181,7 +181,8 @@ class AdmissionGate:
         if not self.engine.ready():
             raise RequestRefused(ErrorCode.MODEL_UNAVAILABLE, "the engine is not ready", reason="engine_not_ready",
                                  retry_after_s=1.0)
-        terms = parse_contract(head.headers, now, time.time_ns(), self.required_headers)
+        terms = parse_contract(head.headers, now, time.time_ns(), self.required_headers,
+                               default_priority(tenant.policy.allowed_priorities))
         if terms.model_hint is not None and terms.model_hint not in self.engine.models:
             raise unknown_model(terms.model_hint, self.engine.models)
         length = head.headers.get("content-length")
@@ -190,8 +191,6 @@ class AdmissionGate:
             self.metrics.limit_hits.labels("max_body_bytes").inc()
             raise RequestRefused(ErrorCode.INVALID_REQUEST, f"body over {self.limits.max_body_bytes} bytes",
                                  reason="body_too_large", http_status=413)
-        if not terms.priority_given:
-            terms = dataclasses.replace(terms, priority=default_priority(tenant.policy.allowed_priorities))
         ticket = Ticket(
             stream_key=key,
             tenant=tenant.name,
@@ -212,5 +211,5 @@ class AdmissionGate:
         """Count the refusal and build its response (answered by the core; the body is discarded)."""
         self.metrics.refusals.labels(refused.code.value, refused.reason).inc()
         status, headers, body = error_response(route.wire, refused)
-        self.metrics.requests.labels(route.name, str(status)).inc()
+        self.metrics.count_request(route.name, status)
         return Reject(status, headers, body)

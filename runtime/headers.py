@@ -55,8 +55,9 @@ def _bad(message: str) -> RequestRefused:
 
 
 def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int,
-                   required: Sequence[str] = ()) -> RequestContract:
-    """Parse the contract; a field named in ``required`` (keys of REQUIRABLE) must be present (else 400)."""
+                   required: Sequence[str] = (), default_priority: Priority = Priority.NORMAL) -> RequestContract:
+    """Parse the contract; a field named in ``required`` (keys of REQUIRABLE) must be present (else 400).
+    A request naming no priority gets ``default_priority`` (``priority_given`` False)."""
     for field in required:
         if first(headers, REQUIRABLE[field]) is None:
             raise _bad(f"missing mandatory header {REQUIRABLE[field][0]} "
@@ -64,7 +65,7 @@ def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int
                        else f"missing mandatory header {REQUIRABLE[field][0]}")
     raw_priority = first(headers, contract.PRIORITY)
     try:
-        priority = Priority.parse(raw_priority)
+        priority = Priority.parse(raw_priority) if raw_priority is not None else default_priority
     except ValueError as exc:
         raise _bad(str(exc)) from None
 

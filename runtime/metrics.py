@@ -64,10 +64,28 @@ class RuntimeMetrics:
         self.pings = Counter("zerolayer_h2_pings_sent", "Keep-alive PINGs sent on idle connections.", registry=r)
         self.idle_closed = Counter("zerolayer_idle_connections_closed", "Connections closed by the idle timeout.",
                                    registry=r)
+        self._request_children: dict[tuple[str, int], Counter] = {}
+        self._token_children: dict[tuple[str, str], Counter] = {}
         # Every limit appears at 0 from the start, so alerts can be written before the first hit.
         for name in Limits.__dataclass_fields__:
             if name.startswith(("max_", "rapid_", "empty_", "window_")) or name in OTHER_LIMITS:
                 self.limit_hits.labels(name)
+
+    # Label children cached by value: ``labels()`` takes a lock and builds a key on every call,
+    # and these are counted on every request.
+    def count_request(self, route: str, status: int) -> None:
+        child = self._request_children.get((route, status))
+        if child is None:
+            child = self._request_children[(route, status)] = self.requests.labels(route, str(status))
+        child.inc()
+
+    def count_tokens(self, tenant: str, kind: str, n: int) -> None:
+        child = self._token_children.get((tenant, kind))
+        if child is None:
+            if len(self._token_children) > 4096:  # tenants come and go with config: keep it bounded
+                self._token_children.clear()
+            child = self._token_children[(tenant, kind)] = self.tokens.labels(tenant, kind)
+        child.inc(n)
 
     def watch_engine(self, stats: Callable[[], EngineStats], model: Callable[[], str]) -> None:
         self.registry.register(_EngineCollector(stats, model))

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
+import os
 from typing import Any, Callable, Protocol
 
 from zerolayer.contract import ERRORS, ErrorCode, Priority
@@ -60,13 +60,13 @@ class SessionTable:
         self.token_sink = token_sink
         self.alternatives = alternatives
         self.streams: dict[str, StreamSession] = {}
+        metrics.streams_active.set_function(lambda: len(self.streams))  # read at scrape, not per request
         self.engine_requests_started = 0  # every generate() call; tests assert resets never start work
 
     def open(self, admitted: Admitted) -> "StreamSession":
         """Register the session the gate admitted (it holds a reservation until settled)."""
         session = StreamSession(self, admitted)
         self.streams[session.key] = session
-        self.metrics.streams_active.set(len(self.streams))
         return session
 
     def running(self) -> list[RunningStream]:
@@ -96,7 +96,6 @@ class SessionTable:
 
     def _closed(self, session: "StreamSession") -> None:
         self.streams.pop(session.key, None)
-        self.metrics.streams_active.set(len(self.streams))
 
 
 class StreamSession:
@@ -189,19 +188,19 @@ class StreamSession:
             raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline passed before generation started",
                                  reason="deadline_before_start")
         options = request.sampling_options()
-        request_id = f"{self.wire.id_prefix}_{uuid.uuid4().hex[:24]}"
+        request_id = f"{self.wire.id_prefix}_{os.urandom(12).hex()}"  # 24 hex digits, as uuid4().hex[:24] was
         self.engine_request = request_id
         table.engine_requests_started += 1
         deltas = engine.generate(prompt, options, request_id, engine_priority)
         head = [("x-request-id", request_id), *admission.headers.items()]
         frame = StreamFrame(request_id, int(time.time()), request)
         tenant = self.tenant.name
-        table.metrics.tokens.labels(tenant, "prompt").inc(prompt.token_count)
+        table.metrics.count_tokens(tenant, "prompt", prompt.token_count)
         if request.stream:
             await self._stream(channel, frame, deltas, head)
         else:
             await self._complete(channel, frame, deltas, head)
-        table.metrics.tokens.labels(tenant, "completion").inc(self.output_tokens)
+        table.metrics.count_tokens(tenant, "completion", self.output_tokens)
         self.engine_request = None  # finished: nothing to abort
 
     def _check_context(self, request: ChatRequest, prompt_tokens: int) -> None:
@@ -246,7 +245,7 @@ class StreamSession:
     async def _stream(self, channel: Channel, frame: StreamFrame, deltas: Any, head: list[tuple[str, str]]) -> None:
         wire, model, rid = self.wire, frame.request.model, frame.request_id
         await channel.send_head(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache"), *head])
-        self.table.metrics.requests.labels(self.route.name, "200").inc()
+        self.table.metrics.count_request(self.route.name, 200)
         await channel.send(wire.stream_start(frame, self.prompt_tokens))
         sink = self.table.token_sink
         tenant = self.tenant.name
