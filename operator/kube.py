@@ -186,7 +186,9 @@ class Kube:
                  timeout: float = 30.0, identity: str | None = None, crd_cache_seconds: float = 30.0):
         self._credentials = credentials
         self._on_request = on_request or (lambda verb, resource, code: None)
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        # Per socket operation, not in total: a request waiting for a free connection of the pool
+        # (1,000 TenantQuotas reconciled at once share 32) is backpressure, not a dead API server.
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._crd_cache: dict[str, tuple[float, bool]] = {}
         # Objects seen through watches (see observe()); only kinds and namespaces in

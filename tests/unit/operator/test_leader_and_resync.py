@@ -213,3 +213,21 @@ async def test_resync_all_reconciles_every_selected_object_and_rereads_the_cache
     assert forgotten == [1]
     assert counts == {"progressing": 1}  # only the selected one, reconciled: its children exist
     assert kube.kinds("DaemonSet") == ["zl-runtime-gpu-node-0"]
+
+
+async def test_tenants_reconciled_together_publish_their_key_hashes_in_one_write():
+    from tests.unit.operator.test_reconcile import CONFIG
+
+    kube = FakeKube()
+    bodies = []
+    for i in range(20):
+        kube.secrets[("zl-run", f"t{i}-keys")] = {"api-keys": f"key-{i}\n"}
+        bodies.append(kube.put({"apiVersion": "zerolayer.io/v1alpha1", "kind": "TenantQuota",
+                                "metadata": {"name": f"t{i}", "generation": 1},
+                                "spec": {"tenant": f"t{i}", "apiKeySecretRef": {"name": f"t{i}-keys"},
+                                         "namespaces": [f"team-{i}"], "tokensPerMinute": 1, "requestsPerMinute": 1}}))
+    rec = Reconciler(kube, CONFIG)
+    outcomes = await asyncio.gather(*(rec.reconcile_tenant_quota(b) for b in bodies))
+    assert all(o.ready for o in outcomes)
+    assert [w for w in kube.writes if w[0] == "publish"] == [("publish", "v1", "Secret", "zl-run", "zl-tenant-keys")]
+    assert sorted(kube.published_tenant_keys("zl-run")) == sorted(f"t{i}" for i in range(20))
