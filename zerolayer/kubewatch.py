@@ -90,15 +90,18 @@ class WatchLoop:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
+        """End the loop: the open watch's socket is shut down (which wakes a read blocked on a quiet
+        watch at once; closing alone would not), then the thread is joined for up to ``timeout``."""
         self._stop.set()
         watch = self._watch
         if watch is not None:
             watch.stop()
             response = getattr(watch, "_resp", None)
-            if response is not None:  # unblock a read waiting on a quiet watch
+            if response is not None:
                 try:
-                    response.close()
-                except Exception:  # noqa: BLE001 - closing a half-dead socket may fail any way it likes
+                    shutdown = getattr(response, "shutdown", None)  # urllib3 >= 2.3
+                    (shutdown or response.close)()
+                except Exception:  # noqa: BLE001 - a half-dead socket may fail to shut down any way it likes
                     pass
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
@@ -191,10 +194,13 @@ class WatchLoop:
             except ApiException as exc:
                 if exc.status == GONE:
                     self.counters.relists_after_gone += 1
+                    log.info("watch %s: version %s is gone (410): listing again", self.name, self.resource_version)
                     self.resource_version = None  # relist at once: nothing to wait for
                     continue
                 self._failed(f"HTTP {exc.status} {exc.reason}")
-            except (HTTPError, OSError, ValueError) as exc:
+            except (HTTPError, OSError, ValueError, AttributeError) as exc:
+                # AttributeError: http.client reading a chunked response whose connection was closed under it
+                # (an API server restarting, or re-creating its storage after a CRD update)
                 self._failed(f"{exc.__class__.__name__}: {exc}")
             except Exception as exc:  # noqa: BLE001 - the loop must outlive anything one response can cause
                 log.exception("watch %s failed unexpectedly", self.name)
