@@ -46,6 +46,12 @@ REFUSED: dict[str, tuple[str, Neutral]] = {
 METADATA_FIELDS = frozenset({"user_id", "seed"})  # seed: zerolayer's extension (the API has none)
 MESSAGE_FIELDS = frozenset({"role", "content"})
 TOOL_FIELDS = frozenset({"name", "description", "input_schema", "type", "cache_control"})
+# What the SDK's own ToolUseBlock carries when an answer's content is sent back as history.
+TOOL_USE_REFUSED: dict[str, tuple[str, Neutral]] = {
+    "caller": ("only direct calls: server-side (programmatic) tool calling does not run here",
+               lambda v: v is None or v == {"type": "direct"}),
+    "toolset_name": ("toolsets (MCP) do not run here", is_none),
+}
 
 
 def parse(body: bytes) -> ChatRequest:
@@ -112,7 +118,7 @@ def _turn(role: str, content: Any, where: str) -> list[ChatMessage]:
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}[{j}]"
         if kind == "tool_use" and role == "assistant":
-            check_fields(block, frozenset({"type", "id", "name", "input", "cache_control"}), {}, f"{at}.")
+            check_fields(block, frozenset({"type", "id", "name", "input", "cache_control"}), TOOL_USE_REFUSED, f"{at}.")
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
                     or not isinstance(block.get("input"), dict):
                 raise invalid(f"{at}: tool_use needs id, name and an input object")

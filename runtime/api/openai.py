@@ -71,6 +71,7 @@ MESSAGE_FIELDS = frozenset({"role", "content", "tool_calls", "tool_call_id"})
 MESSAGE_REFUSED: dict[str, tuple[str, Neutral]] = {
     "name": ("participant names are not passed to the chat template", is_none),
     "refusal": ("refusals are not replayed to the model", is_none),
+    "annotations": ("URL citations are not passed to the model", lambda v: v is None or v == []),
     "audio": ("the models served are text-only", is_none),
     "function_call": ("deprecated by OpenAI: use tool_calls", is_none),
 }

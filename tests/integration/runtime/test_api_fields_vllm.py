@@ -23,6 +23,7 @@ accepted and passed on; tests/unit/runtime/test_api_fields_engine.py checks they
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import pathlib
 import shutil
@@ -101,6 +102,19 @@ def tokenizer(model_dir):  # type: ignore[no-untyped-def]
 async def server(model_dir) -> AsyncIterator:
     from zerolayer.runtime.engine.vllm_engine import VllmEngine
 
+    # vLLM-CPU compiles its logprob-rank kernel (batched_count_greater_than) with inductor at the first
+    # logprobs request; on this shared 2-core machine that C++ compile failed once ("at::vec has not
+    # been declared") and took the engine core down. Eager torch for the engine's processes (they
+    # inherit the environment at start) takes the compiler out of what these tests depend on.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHDYNAMO_DISABLE", "1")
+        async with _serve(VllmEngine, model_dir) as running:
+            env.undo()
+            yield running
+
+
+@contextlib.asynccontextmanager
+async def _serve(VllmEngine, model_dir) -> AsyncIterator:  # type: ignore[no-untyped-def]
     # Compact JSON: with free whitespace allowed, random weights loop on whitespace inside JSON.
     structured = {"backend": "xgrammar", "disable_any_whitespace": True}
     engine = VllmEngine(str(model_dir), served_name=MODEL, max_model_len=1024, max_num_seqs=8,
@@ -273,12 +287,13 @@ async def test_anthropic_tool_use_and_tool_result(ant):
     assert reply.stop_reason == "tool_use"
     (block,) = [b for b in reply.content if b.type == "tool_use"]
     assert block.name == "weather" and set(block.input) == {"city", "unit"}
-    async with ant.messages.stream(model=MODEL, messages=USER, max_tokens=40, tools=ANTHROPIC_TOOLS,
-                                   tool_choice={"type": "any"}) as stream:
+    # One call (random weights would go on adding calls to the list until max_tokens).
+    async with ant.messages.stream(model=MODEL, messages=USER, max_tokens=80, tools=ANTHROPIC_TOOLS,
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True}) as stream:
         streamed = await stream.get_final_message()
     assert streamed.stop_reason == "tool_use" and streamed.content[-1].type == "tool_use"
     followup = await ant.messages.create(
-        model=MODEL, max_tokens=3, tools=ANTHROPIC_TOOLS,
+        model=MODEL, max_tokens=3, tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"},
         messages=[*USER, {"role": "assistant", "content": [block.model_dump()]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "rain"}]}])
     assert followup.stop_reason in ("end_turn", "max_tokens")

@@ -289,3 +289,12 @@ def test_openai_stream_close_per_choice_and_tool_call_deltas():
     finishes = {e["choices"][0]["index"]: e["choices"][0]["finish_reason"] for e in events[:-2]
                 if e["choices"] and e["choices"][0]["finish_reason"]}
     assert finishes == {0: "tool_calls", 1: "length"}
+
+
+def test_anthropic_sdk_tool_use_block_sent_back_as_history_is_taken():
+    block = {"id": "tu_1", "caller": None, "input": {}, "name": "weather", "type": "tool_use", "toolset_name": None}
+    history = [*USER, {"role": "assistant", "content": [block]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "rain"}]}]
+    assert messages(messages=history, tools=[ANTHROPIC_WEATHER]).messages[1].tool_calls[0].id == "tu_1"
+    block["caller"] = {"type": "code_execution_20250825", "tool_id": "x"}
+    assert "caller: not supported" in refused(messages, messages=[*USER, {"role": "assistant", "content": [block]}, *USER])
