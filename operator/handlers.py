@@ -25,6 +25,7 @@ from zerolayer.operator.config import OperatorConfig
 from zerolayer.operator.errors import KubeError, SpecError
 from zerolayer.operator.kube import Credentials, Kube
 from zerolayer.operator.metrics import OperatorMetrics
+from zerolayer.operator.reconcile import INODE as INODE_KIND
 from zerolayer.operator.reconcile import TQUOTA as TQUOTA_KIND
 from zerolayer.operator.reconcile import Reconciler, WaitingFor
 
@@ -122,6 +123,7 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
     async def close(memo: kopf.Memo, **_: Any) -> None:
         memo.resync.cancel()
         await asyncio.gather(memo.resync, return_exceptions=True)
+        await memo.reconciler.close()
         await memo.reconciler.kube.close()
 
     @kopf.on.probe(id="reconciles", registry=registry)
@@ -218,11 +220,16 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         key = body["metadata"]["name"]
         if event.get("type") == "DELETED":
             memo.ready_seen.pop(key, None)
-        elif memo.ready_seen.get(key) == seen:
+            await reconcile_owner(_owner(body), memo)
             return
-        else:
-            memo.ready_seen[key] = seen
-        await reconcile_owner(_owner(body), memo)
+        if memo.ready_seen.get(key) == seen:
+            return
+        memo.ready_seen[key] = seen
+        owner = _owner(body)
+        if owner and owner[0] == "InferenceNode":
+            # The DaemonSet controller and kwok/kubelet move its status several times within a
+            # second: one reconcile of the owner for the burst, from the newest cached status.
+            memo.reconciler.reconcile_soon(INODE_KIND, owner[1])
 
     @kopf.on.event("", "v1", "nodes", registry=registry)
     async def node_changed(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 INODE = (m.API_VERSION, "InferenceNode")
 PUBLISHED_MAX_AGE = 300.0
 PUBLISH_WINDOW = 0.05  # seconds key-hash entries wait for others to share one write
+COALESCE_SECONDS = 1.0  # a DaemonSet's status changes within this share one reconcile of its owner
 TQUOTA = (m.API_VERSION, "TenantQuota")
 
 
@@ -101,6 +102,7 @@ class Reconciler:
         self._published_at: datetime.datetime | None = None
         self._pending: dict[str, str | None] = {}  # entries waiting for the next batched write
         self._flush: asyncio.Future | None = None
+        self._soon: dict[tuple[tuple[str, str], str], asyncio.Task] = {}  # see reconcile_soon
         self._legacy_checked: set[str] = set()  # TenantQuotas whose pre-hash Role/RoleBinding are gone
 
     def _lock(self, kind: str, name: str) -> asyncio.Lock:
@@ -683,6 +685,40 @@ class Reconciler:
         if not self._selected(body):
             return None
         return await self.reconcile_tenant_quota(body)
+
+    # ================================================================= coalesced triggers
+    def reconcile_soon(self, kind: tuple[str, str], name: str, delay: float = COALESCE_SECONDS) -> None:
+        """Reconcile the named object ``delay`` seconds from now, in the background; requests
+        for it until then join that one (it reads the newest cached state when it runs). For
+        bursts of events that each change little, e.g. a DaemonSet's status moving through
+        scheduled, updated and ready. A reconcile that must wait or fails is scheduled again
+        after its delay, as kopf would retry it."""
+        if (kind, name) not in self._soon:
+            self._soon[(kind, name)] = asyncio.get_running_loop().create_task(self._later(kind, name, delay))
+
+    async def _later(self, kind: tuple[str, str], name: str, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self._soon.pop((kind, name), None)  # events from here on schedule a new one
+        by_name = self.reconcile_inference_node_by_name if kind == INODE else self.reconcile_tenant_quota_by_name
+        try:
+            await by_name(name)
+        except WaitingFor as exc:
+            self.reconcile_soon(kind, name, exc.delay)
+        except KubeError as exc:
+            log.info("%s %s: %s; again in a moment", kind[1], name, exc)
+            self.reconcile_soon(kind, name, 2.0 if exc.retryable else self.config.retry_seconds)
+        except SpecError:
+            pass  # the status says why; a spec change triggers the next reconcile
+
+    async def close(self) -> None:
+        """Cancel the background reconciles still waiting to run."""
+        tasks = list(self._soon.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._soon.clear()  # a task cancelled before it ever ran did not remove itself
 
     # ================================================================= the full resync
     async def resync_all(self) -> dict[str, int]:

@@ -231,3 +231,31 @@ async def test_tenants_reconciled_together_publish_their_key_hashes_in_one_write
     assert all(o.ready for o in outcomes)
     assert [w for w in kube.writes if w[0] == "publish"] == [("publish", "v1", "Secret", "zl-run", "zl-tenant-keys")]
     assert sorted(kube.published_tenant_keys("zl-run")) == sorted(f"t{i}" for i in range(20))
+
+
+async def test_a_burst_of_triggers_is_one_reconcile_from_the_newest_state():
+    from tests.unit.operator.test_reconcile import CONFIG, mark_runtime_ready, world
+    from zerolayer.operator.reconcile import INODE
+
+    kube, _, inode = world()
+    inode["metadata"]["finalizers"] = ["f"]
+    kube.put(inode)
+    rec = Reconciler(kube, CONFIG)
+    await rec.reconcile_inference_node(inode)
+    calls = []
+    original = rec.reconcile_inference_node
+
+    async def counting(body):
+        calls.append(body["metadata"]["name"])
+        return await original(body)
+    rec.reconcile_inference_node = counting
+    for _ in range(5):
+        rec.reconcile_soon(INODE, "gpu-node-0", delay=0.01)
+    mark_runtime_ready(kube)  # the newest state, reached before the reconcile runs
+    await asyncio.sleep(0.1)
+    assert calls == ["gpu-node-0"]
+    status = kube.find("zerolayer.io/v1alpha1", "InferenceNode", "gpu-node-0")["status"]
+    assert {c["type"]: c["status"] for c in status["conditions"]}["RuntimeReady"] == "True"
+    rec.reconcile_soon(INODE, "gpu-node-0", delay=10)
+    await rec.close()  # the operator's cleanup: nothing left running
+    assert rec._soon == {}
