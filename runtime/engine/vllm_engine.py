@@ -273,6 +273,15 @@ class VllmEngine:
         except ImportError as exc:
             raise EngineError("the vllm engine needs vLLM installed (pip install 'zerolayer[engine]')") from exc
 
+        if self.tool_parser is not None:
+            from vllm.tool_parsers import ToolParserManager
+
+            try:
+                ToolParserManager.get_tool_parser(self.tool_parser)
+            except KeyError:
+                known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
+                raise EngineError(f"tool_parser {self.tool_parser!r} is not one of vLLM's: {', '.join(known)}") from None
+
         engine = self
 
         class _StatsSink(StatLoggerBase):
