@@ -214,6 +214,7 @@ class FleetQuotaSync:
         self._stop = threading.Event()
         self._written: dict[str, float] = {}  # tenant -> wall time of our last successful write
         self._busy: dict[str, float] = {}  # tenant -> monotonic time it last reserved or was refused here
+        self._after: dict[str, tuple[Any, dict[str, Any]]] = {}  # tenant -> (version we wrote on, object written)
         self._restored = False
         self.writes = 0
         self.conflicts = 0
@@ -268,6 +269,9 @@ class FleetQuotaSync:
             quota = quotas.get(demand.tenant)
             if quota is None:
                 continue
+            before, written = self._after.get(demand.tenant, (None, None))
+            if written is not None and (quota.get("metadata") or {}).get("resourceVersion") == before:
+                quota = written  # the watch has not delivered our own last write yet: start from it
             try:
                 holding |= self._step(demand, quota)
             except Exception as exc:  # noqa: BLE001 - one tenant's failure must not stop the others
@@ -292,9 +296,10 @@ class FleetQuotaSync:
             renew = (plan.tokens or plan.requests) and wall - self._written.get(demand.tenant, 0.0) >= s.renew_s
             same = (plan.tokens, plan.requests, plan.want_tokens, plan.want_requests) == (
                 current.tokens, current.requests, current.want_tokens, current.want_requests)
-            if same and not renew and self._written.get(demand.tenant) is not None:
-                self.scheduler.set_claim(demand.tenant, Claim(plan.tokens, plan.requests, held.valid_until),
-                                         room=room_left(quota, self.node, plan, wall, s.lease_s))
+            # This node's claim in the scheduler rises only after a successful conditional write: the object
+            # read may be stale (the watch lags our own writes), so "already published" proves nothing.
+            raise_local = plan.tokens > lowered.tokens or plan.requests > lowered.requests
+            if same and not renew and not raise_local and self._written.get(demand.tenant) is not None:
                 return bool(plan.tokens or plan.requests)
             if same and not (plan.tokens or plan.requests) and not current.renewed_at:
                 return False  # nothing claimed, nothing published: no write
@@ -306,6 +311,8 @@ class FleetQuotaSync:
                 continue
             self.writes += 1
             self._written[demand.tenant] = wall
+            if isinstance(written, Mapping) and written.get("metadata"):
+                self._after[demand.tenant] = ((quota.get("metadata") or {}).get("resourceVersion"), dict(written))
             self.scheduler.set_claim(demand.tenant, Claim(plan.tokens, plan.requests,
                                                           self.clock() + s.validity_s),
                                      room=room_left(written or quota, self.node, plan, wall, s.lease_s))

@@ -117,8 +117,9 @@ def quota(nodes=None, rv="1", tpm=1000, rpm=100) -> dict:
             "status": {"fleetQuota": {"nodes": nodes or {}}}}
 
 
-def entry(tokens, requests=0, want=0, at="2026-12-03T12:00:00Z") -> dict:
-    return {"tokens": tokens, "requests": requests, "wantTokens": want, "wantRequests": 0, "renewedAt": at}
+def entry(tokens, requests=0, want=0, at="2026-12-03T12:00:00Z", want_requests=0) -> dict:
+    return {"tokens": tokens, "requests": requests, "wantTokens": want, "wantRequests": want_requests,
+            "renewedAt": at}
 
 
 def test_a_lapsed_lease_is_not_counted():
@@ -236,3 +237,33 @@ def test_three_nodes_share_the_limit_and_a_restart_keeps_the_window():
     sync.round()
     assert f.demand(clock[0])[0].used_tokens == published
     assert sum(c.tokens for c in node_claims(store.obj).values()) <= 1000
+
+
+class StaleApi(Api):
+    """The watch lags: it still shows the object before another node's write."""
+
+    def __init__(self, store, stale):
+        super().__init__(store)
+        self.stale = stale
+
+    def watch(self, on_change, **_):
+        watch = Watch(self.store)
+        type(watch).objects = property(lambda w: {"q-acme": copy.deepcopy(self.stale)})
+        return watch
+
+
+def test_a_stale_watch_never_raises_the_local_claim_without_a_conditional_write():
+    at = "2026-12-03T12:00:00Z"
+    mine = entry(200, 15, want=200, at=at, want_requests=15)  # exactly what this node's next plan will be
+    stale = quota({"n1": mine}, rv="7")
+    store = Store(quota({"n1": mine, "other": entry(900, 50, want=900, at=at)}, rv="8"))
+    clock = [0.0]
+    f, sync = node(StaleApi(store, stale), "n1", clock)
+    sync._restored = True
+    sync._written["acme"] = WALL  # written recently: no renewal due
+    f.admit(ticket("s1", 100), 0.0)  # refused: no claim held here (say it was lowered locally), demand recorded
+    sync.round()
+    published = node_claims(store.obj)
+    assert sync.conflicts == 1  # the write on the stale version was refused and planned again on a fresh read
+    assert published["n1"].tokens + published["other"].tokens <= 1000
+    assert f.claim("acme").tokens == published["n1"].tokens == 100
