@@ -14,10 +14,12 @@ tests never judge what the text says. They check what the engine is made to do w
 - the prompt: a prefill is continued (the prompt is the template rendered with
   ``continue_final_message``, token for token), a template error is a 400.
 
-What they cannot show: that the model *chooses* to call a tool (``tool_choice: auto``, which needs a
-model trained for a tool-call format and vLLM's parser for it; here it is refused, 400, as no parser
-is configured), or that penalties change the text in a meaningful way (they are only checked to be
-accepted and passed on; tests/unit/runtime/test_api_fields_engine.py checks they reach SamplingParams).
+What they cannot show: that the model *chooses* to call a tool (``tool_choice: auto`` needs a model
+trained for a tool-call format). The auto path still runs for real: the engine has vLLM's ``xlam``
+parser (no special tokens needed), random weights write text (no call), and output forced into xlam's
+format by a JSON schema is read back by that parser as a call. Nor can they show that penalties change
+the text in a meaningful way (they are checked to be accepted and passed on;
+tests/unit/runtime/test_api_fields_engine.py checks they reach SamplingParams).
 """
 
 from __future__ import annotations
@@ -117,9 +119,10 @@ async def server(model_dir) -> AsyncIterator:
 async def _serve(VllmEngine, model_dir) -> AsyncIterator:  # type: ignore[no-untyped-def]
     # Compact JSON: with free whitespace allowed, random weights loop on whitespace inside JSON.
     structured = {"backend": "xgrammar", "disable_any_whitespace": True}
+    # xlam: a vLLM tool-call parser that needs no special tokens (it reads a JSON list of calls).
     engine = VllmEngine(str(model_dir), served_name=MODEL, max_model_len=1024, max_num_seqs=8,
                         kv_cache_memory_bytes=64 * 1024 * 1024, enforce_eager=True, dtype="float32",
-                        engine_args={"structured_outputs_config": structured})
+                        engine_args={"structured_outputs_config": structured}, tool_parser="xlam")
     async with start_runtime(engine=engine, sample_interval_s=0.05) as running:
         yield running
 
@@ -274,11 +277,20 @@ async def test_openai_forced_tool_calls(oai):
     assert followup.choices[0].message.tool_calls is None and followup.usage.prompt_tokens > reply.usage.prompt_tokens
 
 
-async def test_tool_choice_auto_needs_a_parser(oai):
-    import openai
-
-    with pytest.raises(openai.BadRequestError, match="tool_choice auto"):
-        await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, tools=OPENAI_TOOLS)
+async def test_tool_choice_auto_goes_through_vllms_parser(oai):
+    # The model decides: random weights write no call, so the answer is text.
+    plain = await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, tools=OPENAI_TOOLS)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+    # Output forced into xlam's format (a JSON list of calls) is read back by vLLM's parser as a call.
+    xlam = {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+        "type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+        "properties": {"name": {"enum": ["weather"]}, "arguments": WEATHER_SCHEMA}}}
+    called = await oai.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=80, tools=OPENAI_TOOLS, tool_choice="auto",
+        response_format={"type": "json_schema", "json_schema": {"name": "calls", "schema": xlam}})
+    (call,) = called.choices[0].message.tool_calls
+    assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "weather"
+    assert set(json.loads(call.function.arguments)) == {"city", "unit"}
 
 
 async def test_anthropic_tool_use_and_tool_result(ant):
