@@ -177,6 +177,8 @@ def _message(message: Any, i: int) -> ChatMessage:
     check_fields(message, MESSAGE_FIELDS, MESSAGE_REFUSED, f"{where}.")
     content = message.get("content")
     calls: tuple[ToolCall, ...] = ()
+    if message.get("tool_calls") is not None and not isinstance(message["tool_calls"], list):
+        raise invalid(f"{where}.tool_calls must be a list")
     if role == "assistant" and message.get("tool_calls"):
         calls = tuple(_history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(message["tool_calls"]))
         text = "" if content is None else text_of(content, f"{where}.content")
