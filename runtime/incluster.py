@@ -265,10 +265,11 @@ class KubeReader:
         self._custom = client.CustomObjectsApi(api)
         self._core = client.CoreV1Api(api)
 
-    @property
-    def custom_api(self) -> Any:
-        """The ``CustomObjectsApi`` on this reader's configuration (for the fleet quota claims)."""
-        return self._custom
+    def claim_api(self) -> Any:
+        """The fleet quota claims' API (:class:`zerolayer.runtime.fleetquota.ClaimApi`) on this configuration."""
+        from zerolayer.runtime.fleetquota import ClaimApi
+
+        return ClaimApi(self._custom)
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         from kubernetes.client.exceptions import ApiException
@@ -600,12 +601,12 @@ def attach_fleet_quota(server: Any, reader: KubeReader, node: str, *, settings: 
     (same Scheduler contract), built by the composition root (``compose(..., fleet_quota=True)``).
     ``start()`` the thread once the event loop runs and ``stop()`` it at exit.
     """
-    from zerolayer.runtime.fleetquota import ClaimApi, FleetQuotaSettings, FleetQuotaSync
+    from zerolayer.runtime.fleetquota import FleetQuotaSettings, FleetQuotaSync
     from zerolayer.runtime.scheduler.fleet import FleetQuotaScheduler
 
     fleet = server.scheduler
     if not isinstance(fleet, FleetQuotaScheduler):
         raise ConfigError("fleet quotas need the server built with a FleetQuotaScheduler "
                           "(zerolayer.runtime.compose.compose(..., fleet_quota=True))")
-    return FleetQuotaSync(ClaimApi(reader.custom_api), fleet, node,
+    return FleetQuotaSync(reader.claim_api(), fleet, node,
                           settings=settings or FleetQuotaSettings(window_s=fleet.window_s))

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import base64
 import collections
+import copy
 import hashlib
 import json
+import threading
 
 from zerolayer.runtime.incluster import ClusterReadError
 
@@ -53,6 +55,22 @@ class Reader:
         from zerolayer.runtime.incluster import published_entries  # today's interface only
 
         self.calls["tenant_keys"] += 1
+        return published_entries({"data": self._published_data()})
+
+    # The watch interface of KubeReader (issue 16): the fake's state, delivered as watch events.
+    def watch_tenant_quotas(self, on_change, *, retry_s=2.0):  # type: ignore[no-untyped-def]
+        return PolledWatch(lambda: {q["metadata"]["name"]: q for q in self.tenant_quotas()}, on_change)
+
+    def watch_tenant_keys(self, namespace, on_change, *, retry_s=2.0):  # type: ignore[no-untyped-def]
+        return PolledWatch(lambda: {f"{namespace}/zl-tenant-keys": {"data": self._published_data()}}, on_change)
+
+    def watch_inference_node(self, node, on_change, *, retry_s=2.0):  # type: ignore[no-untyped-def]
+        return PolledWatch(lambda: {node: self.inference_node(node)}, on_change)
+
+    def claim_api(self):  # type: ignore[no-untyped-def]
+        return ClaimApi(self)
+
+    def _published_data(self):  # type: ignore[no-untyped-def]
         data = {}
         for q in self.quotas:
             secret = q["spec"]["apiKeySecretRef"]["name"]
@@ -61,7 +79,7 @@ class Reader:
             data[q["metadata"]["name"]] = encoded({
                 "tenant": q["spec"]["tenant"], "created": q["metadata"]["creationTimestamp"],
                 "hashes": sorted(sha(k) for k in self.keys[secret] if k.strip())})
-        return published_entries({"data": data})
+        return data
 
     def requests(self) -> int:
         return sum(self.calls.values())
@@ -69,3 +87,62 @@ class Reader:
 
 def encoded(entry: dict) -> str:
     return base64.b64encode(json.dumps(entry).encode()).decode()
+
+
+class PolledWatch:
+    """Stands in for ``zerolayer.kubewatch.WatchLoop`` over a fake's state: re-reads it in a thread and
+    calls ``on_change`` when it differs (what a watch event does); a read that raises is a failed watch
+    request, counted in ``counters.errors``."""
+
+    def __init__(self, read, on_change, period_s: float = 0.01):  # type: ignore[no-untyped-def]
+        from zerolayer.kubewatch import WatchCounters
+
+        self.read, self.on_change, self.period_s = read, on_change, period_s
+        self.objects: dict = {}
+        self.started = threading.Event()
+        self.counters = WatchCounters()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self):  # type: ignore[no-untyped-def]
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        last = None
+        while not self._stop.is_set():
+            try:
+                objects = copy.deepcopy(self.read())
+            except Exception:  # noqa: BLE001 - any failure of the fake's read is a failed request
+                self.counters.errors += 1
+                self._stop.wait(self.period_s)
+                continue
+            if objects != last:
+                last, self.objects = objects, objects
+                self.started.set()
+                self.on_change()
+            self._stop.wait(self.period_s)
+
+
+class ClaimApi:
+    """The fleet quota claims' API over a Reader's TenantQuotas (merge-patches ``status``)."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+
+    def watch(self, on_change, *, retry_s=2.0):  # type: ignore[no-untyped-def]
+        return PolledWatch(lambda: {q["metadata"]["name"]: q for q in self.reader.quotas}, on_change)
+
+    def get(self, name):  # type: ignore[no-untyped-def]
+        return copy.deepcopy(next(q for q in self.reader.quotas if q["metadata"]["name"] == name))
+
+    def patch_status(self, name, patch):  # type: ignore[no-untyped-def]
+        quota = next(q for q in self.reader.quotas if q["metadata"]["name"] == name)
+        nodes = quota.setdefault("status", {}).setdefault("fleetQuota", {}).setdefault("nodes", {})
+        nodes.update(copy.deepcopy(patch["status"]["fleetQuota"]["nodes"]))
+        return copy.deepcopy(quota)
