@@ -183,7 +183,7 @@ class Connection(asyncio.Protocol):
             data, self._sniff = self._sniff, b""
         self._handle(self.core.receive(data))
         self._writable.set()  # WINDOW_UPDATEs may have opened windows
-        self.flush_soon()
+        self.flush()  # answers made at HEADERS time (refusals) and control frames leave now
 
     def eof_received(self) -> bool | None:
         if self.core is not None and isinstance(self.core, H1ServerCore):
@@ -270,8 +270,7 @@ class Connection(asyncio.Protocol):
         """Flush once the current event-loop iteration's callbacks have run.
 
         Everything the core produced in the meantime — the answers of every stream that finished
-        in this iteration, their heads and bodies, control frames for what was read — then
-        leaves in one ``write``: a syscall per connection per iteration instead of several per
+        in this iteration, heads and bodies — then leaves in one ``write``: a syscall per connection per iteration instead of several per
         request. A stream writing a body in pieces still flushes at once (:meth:`_Channel.send`),
         so backpressure sees the socket's real state.
         """

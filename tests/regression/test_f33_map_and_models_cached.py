@@ -6,9 +6,12 @@ On 410a271 every GET of the map (any tenant's key) rendered the whole fleet docu
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.regression.wire import H2Peer, connect, limits, runtime, until
+from zerolayer.gpumap import FleetMap, utc_now_rfc3339
 
 pytestmark = [pytest.mark.regression, pytest.mark.timeout(30)]
 
@@ -21,27 +24,32 @@ class Clock:
         return self.now
 
 
+def names(body: bytes) -> list[str]:
+    return [n["name"] for n in json.loads(body)["nodes"]]
+
+
 async def test_the_map_document_is_rendered_once_per_sample_window():
     renders = []
 
-    def document() -> bytes:
+    def fleet() -> FleetMap:  # the node agent's snapshot; the server renders it into the document
         renders.append(1)
-        return b'{"nodes":[%d]}' % len(renders)
+        return FleetMap.from_objects([{"metadata": {"name": f"node-{len(renders)}"},
+                                       "status": {"endpoint": "http://10.0.0.1:8080", "admitting": True,
+                                                  "lastHeartbeat": utc_now_rfc3339()}}])
 
-    server = await runtime(map_document=document, limits=limits(map_cache_s=1.0))
     clock = Clock()
-    server.app.clock = clock
+    server = await runtime(fleet=fleet, limits=limits(map_cache_s=1.0), clock=clock)
     conn, sock = connect(server)
     peer = H2Peer(conn, sock)
     for _ in range(50):
         sid = peer.request(None, path="/v1/zerolayer/map")
         await until(lambda: (peer.read(), peer.status(sid))[1] is not None)
-        assert peer.status(sid) == 200 and peer.body(sid) == b'{"nodes":[1]}'
+        assert peer.status(sid) == 200 and names(peer.body(sid)) == ["node-1"]
     assert len(renders) == 1
     clock.now += 1.5  # the next sample
     sid = peer.request(None, path="/v1/zerolayer/map")
     await until(lambda: (peer.read(), peer.status(sid))[1] is not None)
-    assert peer.body(sid) == b'{"nodes":[2]}' and len(renders) == 2
+    assert names(peer.body(sid)) == ["node-2"] and len(renders) == 2
 
 
 async def test_the_models_document_is_built_once():
