@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 INODE = (m.API_VERSION, "InferenceNode")
 PUBLISHED_MAX_AGE = 300.0
-PUBLISH_WINDOW = 0.05  # seconds key-hash entries wait for others to share one write
+PUBLISH_WINDOW = 0.2  # seconds key-hash entries wait for others to share one write
 COALESCE_SECONDS = 1.0  # a DaemonSet's status changes within this share one reconcile of its owner
 TQUOTA = (m.API_VERSION, "TenantQuota")
 
@@ -102,6 +102,7 @@ class Reconciler:
         self._published_at: datetime.datetime | None = None
         self._pending: dict[str, str | None] = {}  # entries waiting for the next batched write
         self._flush: asyncio.Future | None = None
+        self._publish_lock = asyncio.Lock()
         self._soon: dict[tuple[tuple[str, str], str], asyncio.Task] = {}  # see reconcile_soon
         self._legacy_checked: set[str] = set()  # TenantQuotas whose pre-hash Role/RoleBinding are gone
 
@@ -592,8 +593,12 @@ class Reconciler:
 
     async def _flush_pending(self) -> None:
         await asyncio.sleep(PUBLISH_WINDOW)
-        batch, self._pending, self._flush = self._pending, {}, None  # later entries start a new batch
-        await self.kube.publish_keys(self.config.runtime_namespace, batch)
+        # One write of the Secret at a time (group commit): concurrent merge patches of one object
+        # make the API server retry them against each other. Entries that arrive while a write
+        # is in flight gather in the next batch, which goes out when that write is done.
+        async with self._publish_lock:
+            batch, self._pending, self._flush = self._pending, {}, None  # later entries: next batch
+            await self.kube.publish_keys(self.config.runtime_namespace, batch)
         for name, entry in batch.items():
             if entry is None:
                 self._published_raw.pop(name, None)
