@@ -174,7 +174,8 @@ class StreamSession:
         self._check_context(request, prompt.token_count)
         self.prompt_tokens = prompt.token_count
         self.ticket = dataclasses.replace(self.ticket, model=request.model, priority=priority,
-                                          prompt_tokens=prompt.token_count, max_tokens=request.max_tokens)
+                                          prompt_tokens=prompt.token_count,
+                                          max_tokens=request.max_tokens * request.n)  # n completions: n outputs
         admission = table.scheduler.admit(self.ticket, table.clock(), stage="body")
         if not admission.admitted:
             self.reservation = None  # the scheduler released the HEADERS reservation itself

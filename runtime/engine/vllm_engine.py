@@ -347,7 +347,10 @@ class VllmEngine:
         if self._tokenizer is None:
             raise EngineError("engine not started")
         tokenizer = self._tokenizer
-        if tools and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if isinstance(template, dict):  # named templates ("default", "tool_use", ...)
+            template = " ".join(str(t) for t in template.values())
+        if tools and "tools" not in template:
             # A template that never reads ``tools`` would render the chat without them: the model would
             # not know the tools exist. Said, not silently dropped.
             raise InputRejected("tools: this model's chat template does not render tools")
