@@ -228,7 +228,10 @@ class MicroScheduler:
             candidates = [s for s in running if s.stream_key in self._streams]
             for victim in self._victims.pick(candidates, priority, budget, self._preempted):
                 self._preempted.add(victim.stream_key)
-                self.metrics.count_preempted("memory_pressure", priority, ErrorCode.RESOURCE_EXHAUSTED.value)
-                out.append(Preemption(victim.stream_key, ErrorCode.RESOURCE_EXHAUSTED, "memory_pressure"))
+                # GPU_OOM, not RESOURCE_EXHAUSTED: this stream already holds KV memory that ran out under it;
+                # the contract's client policy (retry at once with max_tokens halved) asks for less of it.
+                # A refusal at admission, before any memory was held, stays RESOURCE_EXHAUSTED.
+                self.metrics.count_preempted("memory_pressure", priority, ErrorCode.GPU_OOM.value)
+                out.append(Preemption(victim.stream_key, ErrorCode.GPU_OOM, "memory_pressure"))
                 budget -= 1
         return out

@@ -113,13 +113,13 @@ async def test_twice_capacity_high_keeps_its_ttft_and_low_absorbs_the_refusals()
     preempted_low = [r for r in low if r.reset_code is not None or stopped in r.error_message]
     refused_low = [r for r in low if r.status == 529 and stopped not in r.error_message]
     assert refused_low and all(r.error_code == "RESOURCE_EXHAUSTED" for r in refused_low)
-    assert all(r.error_code == "RESOURCE_EXHAUSTED" for r in preempted_low)
+    assert all(r.error_code == "GPU_OOM" for r in preempted_low)
 
     counted = sched.registry.get_sample_value("zerolayer_scheduler_preempted_total", {
-        "reason": "memory_pressure", "priority": "low", "code": "RESOURCE_EXHAUSTED"}) or 0.0
+        "reason": "memory_pressure", "priority": "low", "code": "GPU_OOM"}) or 0.0
     assert counted == len(preempted_low)
     assert (sched.registry.get_sample_value("zerolayer_scheduler_refused_total", {
-        "reason": "memory_pressure", "priority": "high", "code": "RESOURCE_EXHAUSTED"}) or 0.0) == 0
+        "reason": "memory_pressure", "priority": "high", "code": "GPU_OOM"}) or 0.0) == 0
 
     steady_high = [r.ttft_s for p, at, r in overload if p == "high" and at >= WARMUP_S]
     ratio = p99(steady_high) / p99([r.ttft_s for r in base])

@@ -60,7 +60,7 @@ async def test_memory_climb_refuses_low_at_once_preempts_running_low_and_resumes
         await eventually(lambda: lows["large"].total_s is not None and lows["medium"].total_s is not None,
                          what="preempted streams ending")
         for name in ("large", "medium"):
-            assert lows[name].error_code == "RESOURCE_EXHAUSTED" and lows[name].reset, lows[name]
+            assert lows[name].error_code == "GPU_OOM" and lows[name].reset, lows[name]
         await eventually(lambda: engine.stats().running == 2, what="engine work aborted")
         assert lows["small"].total_s is None and high.total_s is None  # still streaming
 
@@ -74,8 +74,8 @@ async def test_memory_climb_refuses_low_at_once_preempts_running_low_and_resumes
         assert (await stream_messages(client, "low", max_tokens=3)).completed
 
         resets = sum(1 for r in lows.values() if r.reset)
-        assert preempted(sched, "memory_pressure", "low", "RESOURCE_EXHAUSTED") == resets == 2
-        assert preempted(sched, "memory_pressure", "high", "RESOURCE_EXHAUSTED") == 0
+        assert preempted(sched, "memory_pressure", "low", "GPU_OOM") == resets == 2
+        assert preempted(sched, "memory_pressure", "high", "GPU_OOM") == 0
         assert len(sched.metrics.reaction_samples) == 1
         for t in tasks:
             t.cancel()

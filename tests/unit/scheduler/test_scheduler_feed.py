@@ -27,7 +27,7 @@ def test_handle_builds_pressure_and_returns_preemptions():
     first = feed.handle(GpuSample(source.sample(), time.monotonic()))
     assert [p.stream_key for p in first] == ["late"] and first[0].code is ErrorCode.DEADLINE_EXCEEDED
     second = feed.handle(GpuSample(source.sample(), time.monotonic()))  # fullest GPU (0.99) decides
-    assert [(p.stream_key, p.code) for p in second] == [("big", ErrorCode.RESOURCE_EXHAUSTED)]
+    assert [(p.stream_key, p.code) for p in second] == [("big", ErrorCode.GPU_OOM)]
     assert sent == first + second
     assert not sched.admitting(L)
 

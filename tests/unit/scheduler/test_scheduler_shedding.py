@@ -68,7 +68,7 @@ def test_running_low_preempted_largest_first_at_most_n_per_tick_only_if_pressure
     assert sched.observe(pressure(0.93, 1.0, streams), now=1.0) == []       # crossing sample: refuse only
     first = sched.observe(pressure(0.94, 2.0, streams), now=2.0)            # persists: preempt
     assert [(p.stream_key, p.code, p.reason) for p in first] == [
-        ("l2", ErrorCode.RESOURCE_EXHAUSTED, "memory_pressure"), ("l3", ErrorCode.RESOURCE_EXHAUSTED, "memory_pressure")]
+        ("l2", ErrorCode.GPU_OOM, "memory_pressure"), ("l3", ErrorCode.GPU_OOM, "memory_pressure")]
     # the server has not finished aborting yet: l2/l3 still listed, never returned twice
     second = sched.observe(pressure(0.94, 3.0, streams), now=3.0)
     assert [p.stream_key for p in second] == ["l1"]
@@ -83,11 +83,11 @@ def test_normal_preempted_only_above_second_threshold_and_high_never():
     assert sched.observe(pressure(1.0, 2.0, streams), now=2.0) == []
     reg = sched.registry
     assert sample_value(reg, "zerolayer_scheduler_preempted_total", reason="memory_pressure", priority="low",
-                        code="RESOURCE_EXHAUSTED") == 1
+                        code="GPU_OOM") == 1
     assert sample_value(reg, "zerolayer_scheduler_preempted_total", reason="memory_pressure", priority="normal",
-                        code="RESOURCE_EXHAUSTED") == 2
+                        code="GPU_OOM") == 2
     assert sample_value(reg, "zerolayer_scheduler_preempted_total", reason="memory_pressure", priority="high",
-                        code="RESOURCE_EXHAUSTED") == 0
+                        code="GPU_OOM") == 0
 
 
 def test_preemption_stops_inside_the_band_and_budget_zero_disables_it():
@@ -107,7 +107,7 @@ def test_preempted_counter_equals_preemptions_returned():
     for i, streams in enumerate(batches):
         returned += len(sched.observe(pressure(0.99, float(i), streams), now=float(i)))
     total = sum(sample_value(sched.registry, "zerolayer_scheduler_preempted_total", reason="memory_pressure",
-                             priority=p, code="RESOURCE_EXHAUSTED") for p in ("low", "normal", "high"))
+                             priority=p, code="GPU_OOM") for p in ("low", "normal", "high"))
     assert total == returned == 18
 
 
