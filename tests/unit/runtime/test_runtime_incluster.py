@@ -178,3 +178,40 @@ async def test_watch_events_apply_tenants_without_reads():
     finally:
         await sync.stop()
     assert reader.watches["quotas"].stopped and reader.watches["keys"].stopped
+
+
+class NodeReader:
+    def __init__(self) -> None:
+        self.watch: FakeWatch | None = None
+
+    def watch_inference_node(self, node, on_change, *, retry_s):  # type: ignore[no-untyped-def]
+        self.watch = FakeWatch(on_change)
+        return self.watch
+
+
+def marked_node(generation: int, memory: float) -> dict:
+    return {"metadata": {"name": "gpu-1", "generation": generation},
+            "spec": {"nodeName": "gpu-1", "models": [{"name": "m", "source": "/m"}],
+                     "runtime": {"engine": "synthetic"},
+                     "scheduler": {"memoryThreshold": memory, "resumeThreshold": 0.5}}}
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_node_spec_edits_arrive_by_watch_and_heartbeats_are_skipped():
+    from zerolayer.runtime.incluster import NodeSpecSync
+
+    reader, applied = NodeReader(), []
+    sync = NodeSpecSync(reader, "gpu-1", {}, applied.append)
+    sync.prime(marked_node(1, 0.9))
+    sync.start()
+    try:
+        assert reader.watch is not None
+        heartbeat = dict(marked_node(1, 0.9), status={"lastHeartbeat": "2026-12-03T12:00:00Z"})
+        reader.watch.change({"gpu-1": heartbeat})
+        await settle()
+        assert applied == []  # same generation: a status update, nothing re-derived
+        reader.watch.change({"gpu-1": marked_node(2, 0.8)})  # an edit
+        await settle()
+        assert applied and applied[-1]["low_shed_at"] == 0.8
+    finally:
+        await sync.stop()
