@@ -123,8 +123,14 @@ class RuntimeServer:
         self.scheduler.set_tenants(self.tenants.policies())
         loop = asyncio.get_running_loop()
         tls = self.ssl_context is not None
-        server = await loop.create_server(lambda: Connection(self, tls), self.host, self.port,
-                                          ssl=self.ssl_context, reuse_address=True, reuse_port=self.reuse_port or None)
+        try:
+            server = await loop.create_server(lambda: Connection(self, tls), self.host, self.port,
+                                              ssl=self.ssl_context, reuse_address=True,
+                                              reuse_port=self.reuse_port or None)
+        except OSError as exc:
+            await self.engine.close()
+            hint = "" if self.reuse_port else " (runtimes sharing a port need --reuse-port / listen.reuse_port)"
+            raise ConfigError(f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}{hint}") from exc
         self._servers.append(server)
         self.port = server.sockets[0].getsockname()[1]
         self._sampler = loop.create_task(self._sample_loop())

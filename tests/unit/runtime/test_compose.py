@@ -86,7 +86,7 @@ async def test_without_reuse_port_a_second_runtime_cannot_bind():
     await first.start()
     try:
         taken = parse_config({"listen": {"port": first.port}}, REPO, environ={})
-        with pytest.raises(OSError):
+        with pytest.raises(ConfigError, match="cannot listen on .*reuse-port"):
             await compose(taken).server.start()
     finally:
         await first.stop(drain_timeout_s=0)
