@@ -66,6 +66,7 @@ class LeaderElector:
         self._observed: tuple | None = None  # the other holder's record as last seen
         self._observed_at = 0.0  # when (our clock) that record was first seen
         self._renewed_at: float | None = None  # when (our clock) we last wrote our own renewal
+        self._lease: dict | None = None  # the Lease as our last write left it
         self.transitions = 0
 
     @property
@@ -91,7 +92,22 @@ class LeaderElector:
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt: True when we hold the Lease afterwards (taken or renewed), False when
-        someone else holds it or won a race for it. API errors propagate as KubeError."""
+        someone else holds it or won a race for it. API errors propagate as KubeError.
+
+        A holder renews with one update of the Lease as it last wrote it (its resourceVersion
+        proves nobody changed it since); only when that conflicts does it read the Lease."""
+        mine = self._lease
+        if mine is not None and (mine.get("spec") or {}).get("holderIdentity") == self.identity:
+            renewed = {**mine, "spec": {**mine["spec"], **self._spec(acquire=False,
+                                                                     transitions=int(mine["spec"].get("leaseTransitions") or 0))}}
+            try:
+                self._lease = await self.kube.request("PUT", self._path(self.name), body=renewed)
+                self._renewed_at = self.clock()
+                return True
+            except Conflict:
+                self._lease = None  # changed behind our back: read it and decide below
+            except NotFound:
+                self._lease = None
         try:
             lease = await self.kube.request("GET", self._path(self.name))
         except NotFound:
@@ -99,7 +115,7 @@ class LeaderElector:
                     "metadata": {"name": self.name, "namespace": self.namespace},
                     "spec": self._spec(acquire=True, transitions=0)}
             try:
-                await self.kube.request("POST", self._path(), body=body)
+                self._lease = await self.kube.request("POST", self._path(), body=body)
             except Conflict:
                 return False  # another candidate created it first
             self._renewed_at = self.clock()
@@ -117,7 +133,7 @@ class LeaderElector:
             transitions += 1
         lease["spec"] = {**spec, **self._spec(acquire=holder != self.identity, transitions=transitions)}
         try:
-            await self.kube.request("PUT", self._path(self.name), body=lease)  # carries resourceVersion
+            self._lease = await self.kube.request("PUT", self._path(self.name), body=lease)  # carries resourceVersion
         except Conflict:
             return False  # changed since we read it: someone else renewed or took it
         self._renewed_at = self.clock()
@@ -165,6 +181,7 @@ class LeaderElector:
         if self._renewed_at is None:
             return
         self._renewed_at = None
+        self._lease = None
         try:
             lease = await self.kube.request("GET", self._path(self.name))
             if (lease.get("spec") or {}).get("holderIdentity") != self.identity:

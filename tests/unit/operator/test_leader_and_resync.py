@@ -25,12 +25,14 @@ class LeaseServer:
         self.lease: dict | None = None
         self.version = 0
         self.down = False
+        self.calls: list[str] = []
 
     def client(self):
         server = self
 
         class Client:
             async def request(self, method, path, *, body=None, **_):
+                server.calls.append(method)
                 if server.down:
                     raise KubeError("no answer", status=0)
                 if method == "GET":
@@ -90,6 +92,21 @@ async def test_a_renewing_holder_keeps_the_lease_however_long_the_standby_waits(
     assert server.holder == "a" and b.transitions == 0
 
 
+async def test_a_renewal_is_one_update_and_a_changed_lease_is_read_first():
+    server, clock = LeaseServer(), Clock()
+    a = elector(server, "a", clock)
+    await a.try_acquire_or_renew()
+    server.calls.clear()
+    assert await a.try_acquire_or_renew()
+    assert server.calls == ["PUT"]  # idle cost: one request per renewal
+    server.lease["spec"]["holderIdentity"] = "b"  # someone else took it (a new resourceVersion)
+    server.version += 1
+    server.lease["metadata"]["resourceVersion"] = str(server.version)
+    server.calls.clear()
+    assert not await a.try_acquire_or_renew()
+    assert server.calls == ["PUT", "GET"] and server.holder == "b"
+
+
 async def test_a_dead_holder_is_replaced_only_after_a_full_duration_on_the_standbys_clock():
     server, clock = LeaseServer(), Clock()
     a, b = elector(server, "a", clock), elector(server, "b", clock)
@@ -127,6 +144,8 @@ async def test_hold_returns_when_another_takes_the_lease_or_renewals_fail():
     a = LeaderElector(server.client(), "ops", "zl", "a", 30.0, clock=clock, sleep=lambda s: _advance(clock, s))
     await a.try_acquire_or_renew()
     server.lease["spec"]["holderIdentity"] = "usurper"  # e.g. an admin hands it over
+    server.version += 1
+    server.lease["metadata"]["resourceVersion"] = str(server.version)
     await asyncio.wait_for(a.hold(), 1)
     assert not a.holding()
 
