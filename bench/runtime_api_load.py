@@ -141,6 +141,9 @@ def measure(cluster: LocalCluster, n: int, args: argparse.Namespace, run: str, w
                 time.sleep(0.05)
         result["propagation_s"] = max(seen)
     finally:
+        for r in runtimes:  # SIGTERM to all first: they drain in parallel
+            if r.proc is not None and r.proc.poll() is None:
+                r.proc.terminate()
         for r in runtimes:
             r.stop()
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
@@ -173,30 +176,34 @@ def main() -> int:
             r = measure(cluster, n, args, run, workdir)
             print(r, flush=True)
             rows.append(r)
+            write(rows, args)  # after every fleet size: a long run that is cut short keeps what it measured
     finally:
         if started:
             cluster.down(quiet=True)
-    lines = ["| runtimes | start (s) | start-up requests | idle req/s (all runtimes) | idle req/s per runtime | polling before (req/s, "
-             "computed) | churn req/s | churn changes | new tenant on every runtime (s) | idle CPU per runtime "
-             "(% core) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    return 0
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    lines = ["| runtimes | start (s) | start-up requests | idle req/s (all runtimes) | idle req/s per runtime | "
+             "polling before (req/s, computed) | churn req/s | churn changes | new tenant on every runtime (s) | "
+             "idle CPU per runtime (% core) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['runtimes']} | {r['start_s']:.0f} | {r['start_requests']:.0f} | {r['idle_rps']:.3f} | {r['idle_rps'] / r['runtimes']:.4f} "
-                     f"| {POLLING_RPS_PER_RUNTIME * r['runtimes']:.1f} | {r['churn_rps']:.3f} | {r['changes']} | "
-                     f"{r['propagation_s']:.2f} | {100 * r['idle_cpu']:.1f} |")
+        lines.append(f"| {r['runtimes']} | {r['start_s']:.0f} | {r['start_requests']:.0f} | {r['idle_rps']:.3f} | "
+                     f"{r['idle_rps'] / r['runtimes']:.4f} | {POLLING_RPS_PER_RUNTIME * r['runtimes']:.1f} | "
+                     f"{r['churn_rps']:.3f} | {r['changes']} | {r['propagation_s']:.2f} | {100 * r['idle_cpu']:.1f} |")
     lines += ["", "By verb and resource (apiserver_request_total, requests/s):", ""]
     for r in rows:
         lines.append(f"- {r['runtimes']} runtimes, idle: {r['idle_by']}")
         lines.append(f"- {r['runtimes']} runtimes, churn: {r['churn_by']}")
     table = "\n".join(lines)
-    print("\n" + table)
+    print("\n" + table, flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "runtime_api_load.md"
     out.write_text(f"# Runtimes' API load ({time.strftime('%Y-%m-%d', time.gmtime())}, local control plane, "
                    f"2 CPU cores shared with other work: CPU figures are noisy, request counts are not)\n\n"
                    f"`python bench/runtime_api_load.py --runtimes {args.runtimes} --tenants {args.tenants} "
                    f"--idle {args.idle:g} --churn {args.churn:g} --churn-rate {args.churn_rate:g}`\n\n{table}\n")
-    print(f"\nwritten to {out}")
-    return 0
+    print(f"\nwritten to {out}", flush=True)
 
 
 if __name__ == "__main__":
