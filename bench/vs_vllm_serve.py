@@ -119,6 +119,10 @@ def bench_serve(port: int, concurrency: int, prompts: int, pid: int, pids_extra:
             "median_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p50_tpot_ms",
             "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms")
     out = {k: result[k] for k in keep if k in result}
+    errors = [e for e in result.get("errors", []) if e]
+    if not out.get("completed"):
+        raise RuntimeError(f"port {port}: every request failed, e.g. {errors[:1]}")
+    out["first_error"] = errors[0] if errors else None
     out.update(first_token_metrics(result))
     out["server_cpu_s"] = cpu
     out["cpu_ms_per_req"] = cpu * 1000 / out["completed"] if out.get("completed") else None
