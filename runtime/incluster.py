@@ -594,7 +594,7 @@ class NodeSpecSync(_Watching):
 
 # --------------------------------------------------------------------------- fleet-wide quotas
 def attach_fleet_quota(server: Any, reader: KubeReader, node: str, *, settings: Any = None) -> Any:
-    """Make ``server`` enforce tenants' limits across the fleet (docs/fleet-quotas.md); returns the
+    """Make ``server`` enforce tenants' limits across the fleet (docs/fleet-scale.md); returns the
     claim thread (:class:`zerolayer.runtime.fleetquota.FleetQuotaSync`), not started.
 
     The server's scheduler must be a :class:`~zerolayer.runtime.scheduler.fleet.FleetQuotaScheduler`

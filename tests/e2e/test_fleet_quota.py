@@ -1,5 +1,5 @@
 """A tenant's requests per minute hold across three runtimes hammered by concurrent clients, and a runtime
-killed and restarted mid-window does not hand the tenant a fresh window (docs/fleet-quotas.md)."""
+killed and restarted mid-window does not hand the tenant a fresh window (docs/fleet-scale.md)."""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def test_runtime_in_cluster_follows_tenant_quotas_and_secrets(cluster, env):
             return httpx.post(f"{url}/v1/messages", content=body, headers={"x-api-key": key}, timeout=10).status_code
 
         # The first request of a tenant on a node may be refused (429, retry-after) while the node
-        # claims its share of the tenant's fleet-wide quota (docs/fleet-quotas.md).
+        # claims its share of the tenant's fleet-wide quota (docs/fleet-scale.md).
         cluster.wait_for(lambda: status("sk-e2e-one") == 200, timeout=30, what="key accepted")
         assert status("sk-e2e-two") == 401
         # Key rotation: the tenant's Secret changes, the operator publishes the new hash, the
