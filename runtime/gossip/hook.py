@@ -39,6 +39,8 @@ from .publisher import GossipPublisher
 
 log = logging.getLogger(__name__)
 
+MAP_IDLE_S = 300.0  # close the fleet-map watch after this long unused (zerolayer.gpumap.GpuMapWatcher)
+
 
 def add_gossip_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("GPU-map gossip (Kubernetes)")
@@ -173,7 +175,9 @@ class NodeAgent:
         self.publisher = publisher
         publisher.start()
         try:
-            self.watcher = GpuMapWatcher(kubeconfig=self.kubeconfig).start()
+            # On demand: the map names alternatives on pressure refusals and answers the map endpoint;
+            # a node that does neither for MAP_IDLE_S closes its watch and receives no one's heartbeats.
+            self.watcher = GpuMapWatcher(kubeconfig=self.kubeconfig, on_demand_idle_s=MAP_IDLE_S).start()
         except GpuMapError as exc:  # the map is for alternatives only: gossip still works without it
             log.warning("no fleet map (alternatives disabled): %s", exc)
         log.info("gossip: publishing to InferenceNode %s as %s", name, publisher.state.endpoint)
