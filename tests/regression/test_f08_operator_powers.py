@@ -33,9 +33,11 @@ def test_only_the_server_follows_spec_runtime_image():
 
 
 def test_operator_holds_no_list_or_watch_on_secrets():
+    # list/watch only on the fleet's key-hash Secret, by name: runtimes watch it, and RBAC lets the
+    # operator grant only what it holds. Never on tenants' Secrets.
     for rule in rbac.CLUSTER_RULES + rbac.RUNTIME_NAMESPACE_RULES:
-        if "secrets" in rule["resources"]:
-            assert not {"list", "watch"} & set(rule["verbs"]), rule
+        if "secrets" in rule["resources"] and {"list", "watch"} & set(rule["verbs"]):
+            assert rule.get("resourceNames") == [rbac.TENANT_KEYS_SECRET], rule
 
 
 def test_api_key_secret_in_a_foreign_namespace_is_refused_and_not_read():
