@@ -427,16 +427,28 @@ class Kube:
             meta["labels"] = dict(labels)
         if annotations:
             meta["annotations"] = dict(annotations)
-        patched = await self.request("PATCH", path_of(api_version, kind, namespace, name),
-                                     body={"metadata": meta}, content_type=MERGE_PATCH)
-        self._remember((api_version, kind, namespace, name), patched)
+        key = (api_version, kind, namespace, name)
+        try:
+            patched = await self.request("PATCH", path_of(api_version, kind, namespace, name),
+                                         body={"metadata": meta}, content_type=MERGE_PATCH)
+        except NotFound:
+            self._seen.pop(key, None)
+            raise
+        self._remember(key, patched)
 
     async def patch_status(self, api_version: str, kind: str, name: str, status: Mapping[str, Any],
                            namespace: str | None = None) -> None:
         """Merge ``status`` into the status subresource (fields not named stay as they are)."""
-        patched = await self.request("PATCH", path_of(api_version, kind, namespace, name, "status"),
-                                     body={"status": dict(status)}, content_type=MERGE_PATCH)
-        self._remember((api_version, kind, namespace, name), patched)
+        key = (api_version, kind, namespace, name)
+        try:
+            patched = await self.request("PATCH", path_of(api_version, kind, namespace, name, "status"),
+                                         body={"status": dict(status)}, content_type=MERGE_PATCH)
+        except NotFound:
+            # Gone: the cached copy (which an in-flight write's answer may have put back after the
+            # watch reported the deletion) must not send the next trigger here again.
+            self._seen.pop(key, None)
+            raise
+        self._remember(key, patched)
 
     def note_crd(self, name: str, exists: bool) -> bool:
         """Feed a CRD watch event; True when it changes what :meth:`crd_exists` last answered

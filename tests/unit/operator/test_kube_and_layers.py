@@ -180,3 +180,20 @@ def test_drift_is_a_difference_from_what_we_applied():
     assert not k.drifted({**_ds(), "status": {"numberReady": 1}})  # status is not ours
     assert k.drifted({**_ds(), "metadata": {**_ds()["metadata"], "labels": {"a": "edited"}}})
     assert not k.drifted({**_ds(), "metadata": {**_ds()["metadata"], "name": "other"}})  # never applied
+
+
+async def test_a_write_that_finds_the_object_gone_drops_it_from_the_cache():
+    """An in-flight write's answer can put an object back into the cache after the watch reported
+    its deletion; the next write's 404 must drop it, or every later trigger would reach it again."""
+    path = "/apis/zerolayer.io/v1alpha1/inferencenodes/x"
+    obj = {"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode", "metadata": {"name": "x"}}
+    k = CountingKube({})
+    k.watch("zerolayer.io/v1alpha1", "InferenceNode", None)
+    k.observe("ADDED", obj)
+
+    async def gone(method, path, **_):
+        raise kube.NotFound("gone", status=404)
+    k.send = gone
+    with pytest.raises(kube.NotFound):
+        await k.patch_status("zerolayer.io/v1alpha1", "InferenceNode", "x", {"phase": "Ready"})
+    assert k.peek(("zerolayer.io/v1alpha1", "InferenceNode", None, "x")) is None
