@@ -71,7 +71,7 @@ kubectl get zerolayer
 echo; echo "== the server container's log"
 kubectl logs -n "$RUNTIME_NS" "$POD" -c server --tail=3
 echo; echo "== a request to the runtime pod at $POD_IP over HTTP/2 (tenant team-a, the real tiny vLLM)"
-curl -sS --http2-prior-knowledge -w '\n(HTTP/%{http_version} %{http_code})\n' "http://$POD_IP:8443/v1/messages" \
+curl -sS --retry 3 --http2-prior-knowledge -w '\n(HTTP/%{http_version} %{http_code})\n' "http://$POD_IP:8443/v1/messages" \
     -H 'x-api-key: zl-team-a-example-key-1' \
     -d '{"model":"tiny-llama","max_tokens":8,"messages":[{"role":"user","content":"hello"}]}'
 echo

@@ -36,8 +36,10 @@ kubectl wait --for=condition=Ready inferencenode/gpu-node-0 inferencenode/gpu-no
 kubectl wait --for=condition=Ready tenantquota --all --timeout=60s
 # Ready means the operator published the tenant's key hashes (Secret zl-tenant-keys); each runtime
 # picks them up at its next tenant sync (every 2 s here).
+# --retry: a node's first request for a tenant (and the first after 10 s idle there) is a 429 with
+# retry-after 1 s while the node claims its share of the tenant's fleet-wide limit (docs/fleet-scale.md).
 ask() {
-    curl -sS --http2-prior-knowledge "http://127.0.0.1:$1/v1/messages" \
+    curl -sS --retry 3 --http2-prior-knowledge "http://127.0.0.1:$1/v1/messages" \
         -H 'x-api-key: zl-team-a-example-key-1' -H 'x-zerolayer-priority: high' \
         -d '{"model":"tiny-llama","max_tokens":8,"messages":[{"role":"user","content":"hello"}]}' "${@:2}"
 }
