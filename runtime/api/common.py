@@ -52,6 +52,7 @@ class ChatRequest:
     continue_final: bool = False
     prompt: str | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension (OpenAI APIs): what `vllm bench serve` sends
 
     def sampling_options(self) -> SamplingOptions:
         """What the engine must honour for this request."""
@@ -59,7 +60,7 @@ class ChatRequest:
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, stop=self.stop,
             seed=self.seed, top_k=self.top_k, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, logprobs=self.logprobs,
-            n=self.n, structured=self.structured, tools=self.tool_use)
+            n=self.n, structured=self.structured, tools=self.tool_use, ignore_eos=self.ignore_eos)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ CHAT_HONOURED = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature",
     "top_p", "top_k", "stop", "seed", "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls", "user",
-    "safety_identifier", "prompt_cache_key", "priority", "continue_final_message",
+    "safety_identifier", "prompt_cache_key", "priority", "continue_final_message", "ignore_eos",
 })
 CHAT_REFUSED: dict[str, tuple[str, Neutral]] = {
     "audio": ("the models served are text-only", is_none),
@@ -60,7 +60,7 @@ CHAT_REFUSED: dict[str, tuple[str, Neutral]] = {
 }
 COMPLETIONS_HONOURED = frozenset({
     "model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "stop", "seed",
-    "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "priority",
+    "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "priority", "ignore_eos",
 })
 COMPLETIONS_REFUSED: dict[str, tuple[str, Neutral]] = {
     "suffix": ("insertion (fill-in-the-middle) is not offered", lambda v: v is None or v == ""),
@@ -149,7 +149,11 @@ def _sampling(data: dict[str, Any], model: str) -> dict[str, Any]:
     seed = data.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise invalid("seed must be an integer")
+    ignore_eos = data.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise invalid("ignore_eos: must be true or false")
     return dict(
+        ignore_eos=ignore_eos,
         model=model,
         stream=bool(data.get("stream", False)),
         temperature=number(data, "temperature", 1.0, 0.0, 2.0),

@@ -108,6 +108,7 @@ class SamplingOptions:
     n: int = 1
     structured: StructuredOutput | None = None
     tools: ToolUse | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past the end-of-sequence token
 
     def set_fields(self) -> list[str]:
         """The fields given a value other than their default (for an engine's "cannot honour" check)."""

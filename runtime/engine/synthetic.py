@@ -146,7 +146,8 @@ class SyntheticEngine:
         if schema is not None:
             pieces = [json.dumps(_instance(schema, digest), separators=(",", ":"))]
         else:
-            count = min(options.max_tokens, self.output_tokens)
+            # the synthetic engine's own end of sequence is after output_tokens; ignore_eos runs past it
+            count = options.max_tokens if options.ignore_eos else min(options.max_tokens, self.output_tokens)
             pieces = [(" " if i else "") + _WORDS[digest[i % len(digest)] % len(_WORDS)] for i in range(count)]
         text, kept = "", []
         for piece in pieces[:options.max_tokens]:

@@ -508,6 +508,7 @@ def sampling_params(options: SamplingOptions) -> Any:
             logprobs=options.logprobs,
             stop=list(options.stop) or None,
             seed=options.seed,
+            ignore_eos=options.ignore_eos,
             structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA,
         )

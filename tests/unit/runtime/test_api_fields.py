@@ -298,3 +298,30 @@ def test_anthropic_sdk_tool_use_block_sent_back_as_history_is_taken():
     assert messages(messages=history, tools=[ANTHROPIC_WEATHER]).messages[1].tool_calls[0].id == "tu_1"
     block["caller"] = {"type": "code_execution_20250825", "tool_id": "x"}
     assert "caller: not supported" in refused(messages, messages=[*USER, {"role": "assistant", "content": [block]}, *USER])
+
+
+
+def test_ignore_eos_reaches_the_engine_and_runs_past_the_synthetic_end():
+    """vLLM's extension that `vllm bench serve` always sends: honoured, not a 400."""
+    import asyncio
+
+    from zerolayer.runtime.engine.base import ChatMessage
+    from zerolayer.runtime.engine.synthetic import SyntheticEngine
+
+    body = {"model": "m", "max_tokens": 20, "ignore_eos": True, "messages": [{"role": "user", "content": "hi"}]}
+    options = openai.parse(json.dumps(body).encode()).sampling_options()
+    assert options.ignore_eos is True
+    assert openai.parse_completions(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 5, "ignore_eos": True})
+                                    .encode()).sampling_options().ignore_eos is True
+    with pytest.raises(RequestRefused, match="ignore_eos"):
+        openai.parse(json.dumps({**body, "ignore_eos": "yes"}).encode())
+
+    engine = SyntheticEngine(output_tokens=4)
+
+    async def tokens(opts):  # type: ignore[no-untyped-def]
+        prompt = await engine.render("m", [ChatMessage("user", "hi")])
+        return sum([d.token_count async for d in engine.generate(prompt, opts, "r", 0)])
+
+    assert asyncio.run(tokens(options)) == 20
+    assert asyncio.run(tokens(openai.parse(json.dumps({**body, "ignore_eos": False}).encode())
+                              .sampling_options())) == 4
