@@ -187,6 +187,7 @@ class Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         if self.core is not None and isinstance(self.core, H1ServerCore):
+            self.flush()  # an answer made since the last flush (flush_soon) leaves before the close
             self._handle(self.core.receive(b""))
         return None
 

@@ -268,8 +268,17 @@ def test_network_policy_truth_table_and_revocation(stack):
                 for who, (ns, _, _) in clients.items()}
 
     expected = {who: (serve, metrics) for who, (_, serve, metrics) in clients.items()}
-    seen = cluster.wait_for(lambda: (lambda o: o if o == expected else None)(observe()), timeout=60, interval=1,
-                            what=f"the NetworkPolicy truth table {expected}")
+    last: list[dict] = [{}]
+
+    def matches():  # type: ignore[no-untyped-def]
+        last[0] = observe()
+        return last[0] if last[0] == expected else None
+
+    try:
+        seen = cluster.wait_for(matches, timeout=60, interval=1, what=f"the NetworkPolicy truth table {expected}")
+    except AssertionError as exc:
+        policies = cluster.kubectl("get", "networkpolicy", "-A", "-o", "yaml", check=False).stdout
+        raise AssertionError(f"{exc}\nlast observed: {last[0]}\npolicies:\n{policies}") from None
     print("\nNetworkPolicy truth table (runtime pod on the real node, kube-router enforcing)")
     print(f"  {'client namespace':<28} {'serving :%d' % PORT:<14} {'metrics :%d' % METRICS_PORT}")
     for who, (ns, _, _) in clients.items():
