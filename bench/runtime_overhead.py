@@ -38,6 +38,7 @@ import tempfile
 import time
 
 import httpx
+from benchlib import cpu_seconds  # bench/ is on sys.path when run as a script
 
 HERE = pathlib.Path(__file__).resolve().parent
 KEY = "sk-bench"
@@ -53,18 +54,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        try:
-            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / ticks
 
 
 def children(pid: int) -> list[int]:
