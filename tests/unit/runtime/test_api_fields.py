@@ -10,6 +10,7 @@ import pytest
 from zerolayer.runtime.api import anthropic, openai
 from zerolayer.runtime.api.common import Choice
 from zerolayer.runtime.engine.base import StructuredOutput, TokenLogprob, ToolCall, ToolUse
+from tests.unit.runtime.test_runtime_api import events as sse_events
 from zerolayer.runtime.errors import RequestRefused
 
 USER = [{"role": "user", "content": "hi"}]
@@ -252,19 +253,6 @@ def test_assembler_collects_n_choices_and_parses_forced_tool_calls():
     plain = Assembler(chat(stop=["END"]), parse_forced)
     plain.add(Delta("abc", 2, "stop", stop_sequence="END"))
     assert not plain.buffers and plain.choices()[0].stop_sequence == "END"
-
-
-def sse_events(raw: bytes) -> list[tuple[str | None, object]]:
-    out = []
-    for block in raw.decode().strip().split("\n\n"):
-        name, data = None, None
-        for line in block.splitlines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = line[6:]
-        out.append((name, json.loads(data) if data and data != "[DONE]" else data))
-    return out
 
 
 def test_anthropic_buffered_stream_sends_whole_tool_use_blocks():
