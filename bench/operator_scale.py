@@ -59,16 +59,25 @@ def dispatched(cluster: LocalCluster, schema: str) -> float:
                if (m := _DISPATCHED.match(line)) and f'flow_schema="{schema}"' in m.group("l"))
 
 
-def own_requests(port: int) -> dict[str, float]:
+def own_requests(port: int) -> dict[tuple[str, str], float]:
+    """The operator's own client's requests so far, by (verb, resource)."""
     import urllib.request
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    by_verb: dict[str, float] = {}
+    counts: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
         if m := _OURS.match(line):
-            verb = re.search(r'verb="([^"]+)"', m.group("l")).group(1)
-            by_verb[verb] = by_verb.get(verb, 0) + float(m.group("v"))
-    return by_verb
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("l")))
+            key = (labels["verb"], labels["resource"])
+            counts[key] = counts.get(key, 0) + float(m.group("v"))
+    return counts
+
+
+def by_verb(counts: dict[tuple[str, str], float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (verb, _), n in counts.items():
+        out[verb] = out.get(verb, 0) + n
+    return out
 
 
 def proc_usage(pid: int) -> tuple[float, float]:
@@ -209,7 +218,9 @@ def main() -> int:
         cpu_base = cpu
         time.sleep(args.idle)
         idle = dispatched(cluster, schema) - idle_base
-        own_idle = sum(own_requests(metrics_port).values()) - own_base
+        own_after = own_requests(metrics_port)
+        own_idle = sum(own_after.values()) - own_base
+        idle_kinds = {k: n - own.get(k, 0) for k, n in own_after.items() if n - own.get(k, 0) > 0}
         cpu_idle = proc_usage(operator.pid)[0] - cpu_base
 
         objects = args.nodes + args.tenants
@@ -225,11 +236,16 @@ def main() -> int:
                                                             f"{total / floor:.2f}x the write floor {floor}; "
                                                             f"{total / floor8:.2f}x {floor8} with 8 children)"),
             ("  of which while kubectl was still creating", f"{at_created:.0f}"),
-            ("  of which the operator's own client", ", ".join(f"{k} {v:.0f}" for k, v in sorted(own.items()))),
+            ("  of which the operator's own client", ", ".join(f"{k} {v:.0f}" for k, v in sorted(by_verb(own).items()))),
+            ("  the same by verb and resource", ", ".join(f"{v} {r} {n:.0f}" for (v, r), n in sorted(own.items()))),
+            ("  of which kopf (API server count less own client)", f"{total - sum(own.values()):.0f} (its watches, "
+                                                                    "finalizer patches, retry touches)"),
             (f"API requests while idle, {args.idle:.0f} s", f"{idle:.0f} ({idle / args.idle:.3f}/s; own client "
                                                             f"{own_idle:.0f}; the full resync, one read of every "
                                                             f"object per {args.resync:.0f} s, would add "
                                                             f"{full_read / args.resync:.3f}/s)"),
+            ("  own client while idle, by verb and resource", ", ".join(f"{v} {r} {n:.0f}" for (v, r), n
+                                                                        in sorted(idle_kinds.items())) or "none"),
             ("operator CPU to converge", f"{cpu:.1f} s ({cpu / converged * 100:.0f}% of one core)"),
             ("operator CPU while idle", f"{cpu_idle:.2f} s ({cpu_idle / args.idle * 100:.2f}% of one core)"),
             ("operator peak RSS", f"{rss:.0f} MiB"),

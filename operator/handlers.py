@@ -6,7 +6,8 @@ Reconciles are driven by watches, never by per-object timers:
 - a child (DaemonSet, Service, ServiceAccount, NetworkPolicy, Role, RoleBinding, ClusterRole,
   ClusterRoleBinding): its deletion, an edit that makes it differ from what the operator last
   applied (``Kube.drifted``), a change of the DaemonSet's readiness;
-- a Node: appearing, disappearing or losing its label; an InferenceNode's first fresh heartbeat.
+- a Node: appearing, disappearing or losing its label (the operator's own watch of Nodes,
+  ``Reconciler.follow_nodes``, not kopf's); an InferenceNode's first fresh heartbeat.
 A converged, idle fleet therefore costs nothing but the watches themselves and the leader's
 Lease renewals. One full resync (``Reconciler.resync_forever``: every ``resync_seconds``,
 hours, jittered) re-reads everything from the API server to bound drift no watch could see.
@@ -23,6 +24,7 @@ import kopf
 from zerolayer.operator import manifests as m
 from zerolayer.operator.config import OperatorConfig
 from zerolayer.operator.errors import KubeError, SpecError
+from zerolayer.operator.kopfstate import KopfState
 from zerolayer.operator.kube import Credentials, Kube
 from zerolayer.operator.metrics import OperatorMetrics
 from zerolayer.operator.reconcile import INODE as INODE_KIND
@@ -84,14 +86,14 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
     INODE = {**_INODE, "labels": dict(selector)} if selector else _INODE
     TQUOTA = {**_TQUOTA, "labels": dict(selector)} if selector else _TQUOTA
     metrics = metrics or OperatorMetrics()
+    state = KopfState()
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
-        # Our own prefix, in annotations: status belongs to the CRD schema (conditions, usage).
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="zerolayer.io")
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="zerolayer.io", key="last-handled-configuration")
+        # kopf's bookkeeping stays in memory: no PATCH per object after each handling (kopfstate.py).
+        settings.persistence.progress_storage = state.progress
+        settings.persistence.diffbase_storage = state.diffbase
         # Our events tell the story; kopf's own "Handler succeeded" events would drown it.
         settings.posting.level = logging.WARNING
         # Each watch is re-opened when the server ends it; at 30 min the dozen watches cost about
@@ -112,6 +114,9 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         memo.reconciler = Reconciler(kube, config, observe=metrics.observe, selector=selector)
         memo.ready_seen = {}
         memo.resync = asyncio.create_task(memo.reconciler.resync_forever(), name="full resync")
+        # Nodes are followed by our own watch, not kopf's (see Kube.watch_stream: the cost of a
+        # status heartbeat).
+        memo.nodes = asyncio.create_task(memo.reconciler.follow_nodes(), name="node watch")
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -121,8 +126,9 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
-        memo.resync.cancel()
-        await asyncio.gather(memo.resync, return_exceptions=True)
+        for task in (memo.resync, memo.nodes):
+            task.cancel()
+        await asyncio.gather(memo.resync, memo.nodes, return_exceptions=True)
         await memo.reconciler.close()
         await memo.reconciler.kube.close()
 
@@ -147,6 +153,7 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
     async def inference_node_heartbeat(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo,
                                        **_: Any) -> None:
         memo.reconciler.kube.observe(event.get("type"), plain(body))  # by-name reconciles read the cache
+        state.forget_if_deleted(event)
         # Only the first fresh heartbeat (GossipFresh not yet True) needs a prompt reconcile;
         # later heartbeats change nothing the operator writes.
         status = body.get("status") or {}
@@ -167,6 +174,7 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
     @kopf.on.event(**TQUOTA, registry=registry)
     async def tenant_quota_seen(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         memo.reconciler.kube.observe(event.get("type"), plain(body))  # by-name reconciles read the cache
+        state.forget_if_deleted(event)
 
     @kopf.on.delete(**TQUOTA, registry=registry)
     async def tenant_quota_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
@@ -230,18 +238,5 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
             # The DaemonSet controller and kwok/kubelet move its status several times within a
             # second: one reconcile of the owner for the burst, from the newest cached status.
             memo.reconciler.reconcile_soon(INODE_KIND, owner[1])
-
-    @kopf.on.event("", "v1", "nodes", registry=registry)
-    async def node_changed(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        memo.reconciler.kube.observe(event.get("type"), plain(body))
-        claims = set(memo.reconciler.node_index.get(body["metadata"]["name"]) or ())
-        if not claims:
-            return
-        name = body["metadata"]["name"]
-        labels = body["metadata"].get("labels") or {}
-        appeared = event.get("type") == "ADDED" and name in memo.reconciler.missing_nodes
-        if appeared or event.get("type") == "DELETED" or labels.get(m.INFERENCE_NODE_LABEL) != "true":
-            for name in sorted(claims):
-                await reconcile_owner(("InferenceNode", name), memo)
 
     return registry

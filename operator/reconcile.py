@@ -691,6 +691,29 @@ class Reconciler:
             return None
         return await self.reconcile_tenant_quota(body)
 
+    # ================================================================= Nodes
+    def node_changed(self, event_type: str, node: Mapping[str, Any]) -> list[str]:
+        """The InferenceNodes one Node event asks to repair: those claiming the Node when it
+        appeared after they waited for it, disappeared, or lost its ``inference-node`` label.
+        Pure bookkeeping, no request (most Node events are status heartbeats: nothing)."""
+        meta = node.get("metadata") or {}
+        name = meta.get("name", "")
+        claims = self.node_index.get(name)
+        if not claims:
+            return []
+        appeared = event_type == "ADDED" and name in self.missing_nodes
+        unlabelled = (meta.get("labels") or {}).get(m.INFERENCE_NODE_LABEL) != "true"
+        return sorted(claims) if appeared or event_type == "DELETED" or unlabelled else []
+
+    async def follow_nodes(self) -> None:
+        """Follow every Node (the operator's own watch, see :meth:`Kube.watch_stream`): keep the
+        cache fresh and reconcile the InferenceNodes :meth:`node_changed` names. Runs until
+        cancelled."""
+        async for event_type, node in self.kube.watch_stream("v1", "Node"):
+            self.kube.observe(event_type, node)
+            for name in self.node_changed(event_type, node):
+                self.reconcile_soon(INODE, name, delay=0.0)
+
     # ================================================================= coalesced triggers
     def reconcile_soon(self, kind: tuple[str, str], name: str, delay: float = COALESCE_SECONDS) -> None:
         """Reconcile the named object ``delay`` seconds from now, in the background; requests
