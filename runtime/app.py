@@ -156,7 +156,7 @@ class Application:
     def models_document(self) -> bytes:
         """The body of GET /v1/models, built once: the served models do not change while running."""
         if self._models_document is None:
-            self._models_document = openai.models(list(self.engine.models), self.created)
+            self._models_document = openai.models(list(self.engine.models), self.created, self.engine.adapters)
         return self._models_document
 
     def _map_snapshot(self) -> bytes | None:

@@ -33,7 +33,7 @@ class RuntimeConfig:
     port: int
     tls_cert: str | None
     tls_key: str | None
-    engine: Mapping[str, Any]
+    engine: Mapping[str, Any]  # with several models, the first of ``engines``
     tenants: tuple[Tenant, ...]
     scheduler: Mapping[str, Any]
     gpu: Mapping[str, Any]
@@ -42,6 +42,7 @@ class RuntimeConfig:
     base_dir: pathlib.Path
     required_headers: tuple[str, ...] = ()
     reuse_port: bool = False  # listen.reuse_port: SO_REUSEPORT, several processes on one port
+    engines: tuple[Mapping[str, Any], ...] = ()  # ``engines:``: one engine per base model (else ``engine`` alone)
 
 
 def _mapping(data: Any, where: str) -> dict[str, Any]:
@@ -106,7 +107,7 @@ def parse_tenant(data: Any, index: int, environ: Mapping[str, str]) -> Tenant:
 def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
     environ = os.environ if environ is None else environ
     data = _mapping(data, "config")
-    known = {"listen", "tls", "engine", "tenants", "scheduler", "gpu", "limits", "telemetry", "headers"}
+    known = {"listen", "tls", "engine", "engines", "tenants", "scheduler", "gpu", "limits", "telemetry", "headers"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown top-level keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -120,13 +121,7 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
     tls = _mapping(data.get("tls"), "tls")
     if tls and not (tls.get("cert") and tls.get("key")):
         raise ConfigError("tls: give both cert and key")
-    engine = _mapping(data.get("engine"), "engine") or {"kind": "synthetic"}
-    if engine.get("kind", "synthetic") not in ENGINE_KINDS:
-        raise ConfigError(f"engine.kind: one of {', '.join(ENGINE_KINDS)}, got {engine.get('kind')!r}")
-    if engine.get("kind") == "vllm":
-        if not engine.get("model_path"):
-            raise ConfigError("engine.model_path: required for the vllm engine")
-        vllm_settings(engine)  # refuse bad engine settings when the file is loaded, not at engine start
+    engines = parse_engines(data)
     tenants_raw = data.get("tenants") or []
     if not isinstance(tenants_raw, list):
         raise ConfigError("tenants: expected a list")
@@ -151,7 +146,8 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         port=port,
         tls_cert=tls.get("cert"),
         tls_key=tls.get("key"),
-        engine=engine,
+        engine=engines[0],
+        engines=engines if "engines" in data else (),
         tenants=tenants,
         scheduler=_mapping(data.get("scheduler"), "scheduler"),
         gpu=gpu,
@@ -161,6 +157,71 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         required_headers=tuple(required),
         reuse_port=reuse_port,
     )
+
+
+def parse_engines(data: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    """``engine:`` (one engine) or ``engines:`` (one per base model), each checked as it would start:
+    kinds, keys, vLLM settings, that no model name is served twice and no GPU is given to two."""
+    if "engine" in data and "engines" in data:
+        raise ConfigError("give engine (one model) or engines (several), not both")
+    if "engines" in data:
+        raw = data["engines"]
+        if not isinstance(raw, list) or not raw:
+            raise ConfigError("engines: expected a non-empty list of engine mappings")
+        specs = [(_mapping(e, f"engines[{i}]"), f"engines[{i}]") for i, e in enumerate(raw)]
+    else:
+        specs = [(_mapping(data.get("engine"), "engine") or {"kind": "synthetic"}, "engine")]
+    served: dict[str, str] = {}
+    gpus: dict[int, str] = {}
+    for spec, where in specs:
+        kind = spec.get("kind", "synthetic")
+        if kind not in ENGINE_KINDS:
+            raise ConfigError(f"{where}.kind: one of {', '.join(ENGINE_KINDS)}, got {spec.get('kind')!r}")
+        if kind == "vllm":
+            if not spec.get("model_path"):
+                raise ConfigError(f"{where}.model_path: required for the vllm engine")
+            vllm_settings(spec, where)  # refuse bad engine settings when the file is loaded, not at engine start
+            names = [str(spec.get("served_name") or pathlib.Path(str(spec["model_path"])).name)]
+            names += [a.name for a in lora_adapters(spec, where)]
+            for device in engine_gpus(spec, where) or ():
+                if device in gpus:
+                    raise ConfigError(f"{where}.gpus: GPU {device} is also given to {gpus[device]}")
+                gpus[device] = where
+        else:
+            names = [str(m) for m in spec.get("models") or ("synthetic",)]
+        for name in names:
+            if name in served:
+                raise ConfigError(f"{where}: model {name!r} is also served by {served[name]}")
+            served[name] = where
+    return tuple(dict(spec) for spec, _ in specs)
+
+
+def lora_adapters(spec: Mapping[str, Any], where: str):  # type: ignore[no-untyped-def]
+    """``loras:`` of a vllm engine: a list of ``{name, path}``, each served under its own name."""
+    from zerolayer.runtime.engine.vllm_engine import LoraAdapter
+
+    raw = spec.get("loras") or []
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where}.loras: expected a list of {{name, path}}")
+    out = []
+    for i, item in enumerate(raw):
+        item = _mapping(item, f"{where}.loras[{i}]")
+        unknown = sorted(set(item) - {"name", "path"})
+        if unknown or not isinstance(item.get("name"), str) or not item["name"] or not item.get("path"):
+            raise ConfigError(f"{where}.loras[{i}]: give name and path (a PEFT adapter folder), nothing else")
+        out.append(LoraAdapter(item["name"], str(pathlib.Path(str(item["path"])))))
+    return tuple(out)
+
+
+def engine_gpus(spec: Mapping[str, Any], where: str) -> tuple[int, ...] | None:
+    """``gpus:`` of a vllm engine: the device indices its processes see (None: all of the node's)."""
+    raw = spec.get("gpus")
+    if raw is None:
+        return None
+    if (not isinstance(raw, list) or not raw or len(set(raw)) != len(raw)
+            or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in raw)):
+        raise ConfigError(f"{where}.gpus: expected a non-empty list of distinct GPU indices, got {raw!r}")
+    return tuple(raw)
 
 
 def load_mapping(path: str | pathlib.Path) -> dict[str, Any]:
@@ -202,7 +263,8 @@ _VLLM_TYPED: dict[str, tuple[Any, str]] = {
     "quantization": (lambda v: isinstance(v, str) and bool(v), "a vLLM quantization method name"),
     "enable_prefix_caching": (lambda v: isinstance(v, bool), "true or false"),
 }
-VLLM_KEYS = frozenset(_VLLM_TYPED) | {"model_path", "served_name", "generate_tiny_model", "engine_args"}
+VLLM_KEYS = frozenset(_VLLM_TYPED) | {"model_path", "served_name", "generate_tiny_model", "engine_args",
+                                      "tool_parser", "loras", "gpus"}
 
 
 def vllm_settings(spec: Mapping[str, Any], where: str = "engine"):  # type: ignore[no-untyped-def]
@@ -232,13 +294,28 @@ def vllm_settings(spec: Mapping[str, Any], where: str = "engine"):  # type: igno
                           "KV-cache size makes vLLM ignore the memory fraction)")
     extra = spec.get("engine_args")
     problems = passthrough.problems(extra, f"{where}.engine_args", {k: f"{where}.{k}" for k in typed})
+    parser = passthrough.tool_parser_problem(spec.get("tool_parser"), f"{where}.tool_parser")
+    if parser:
+        problems.append(parser)
     if problems:
         raise ConfigError("; ".join(problems))
+    devices = engine_gpus(spec, where)
+    if devices and "tensor_parallel_size" not in typed and "tensor_parallel_size" not in (extra or {}):
+        typed["tensor_parallel_size"] = len(devices)  # the engine spans its GPUs unless told otherwise
     return VllmSettings(**typed, engine_args=dict(extra or {}))
 
 
 def build_engine(config: RuntimeConfig):  # type: ignore[no-untyped-def]
-    spec = dict(config.engine)
+    """The engine ``engine:`` describes, or for ``engines:`` a :class:`ModelRouter` over one engine each."""
+    if config.engines:
+        from zerolayer.runtime.engine.router import ModelRouter
+
+        return ModelRouter([_build_one(config, spec, f"engines[{i}]") for i, spec in enumerate(config.engines)])
+    return _build_one(config, config.engine, "engine")
+
+
+def _build_one(config: RuntimeConfig, engine: Mapping[str, Any], where: str):  # type: ignore[no-untyped-def]
+    spec = dict(engine)
     kind = spec.pop("kind", "synthetic")
     if kind == "synthetic":
         from zerolayer.runtime.engine.synthetic import SyntheticEngine
@@ -246,7 +323,7 @@ def build_engine(config: RuntimeConfig):  # type: ignore[no-untyped-def]
         allowed = {"models", "output_tokens", "ttft_ms", "tokens_per_second", "kv_capacity_tokens"}
         unknown = sorted(set(spec) - allowed)
         if unknown:
-            raise ConfigError(f"engine: unknown keys for the synthetic engine: {', '.join(unknown)}")
+            raise ConfigError(f"{where}: unknown keys for the synthetic engine: {', '.join(unknown)}")
         return SyntheticEngine(
             tuple(spec.get("models") or ("synthetic",)),
             output_tokens=int(spec.get("output_tokens", 16)),
@@ -257,12 +334,14 @@ def build_engine(config: RuntimeConfig):  # type: ignore[no-untyped-def]
     from zerolayer.runtime.engine.vllm_engine import VllmEngine
 
     model_path = _resolve(config, str(spec["model_path"]))
-    settings = vllm_settings(spec)
+    settings = vllm_settings(spec, where)
     if spec.get("generate_tiny_model"):
         from zerolayer.runtime import tinymodel
 
         tinymodel.generate(model_path)
-    return VllmEngine(model_path, served_name=spec.get("served_name"), settings=settings)
+    return VllmEngine(model_path, served_name=spec.get("served_name"), settings=settings,
+                      tool_parser=spec.get("tool_parser"), loras=lora_adapters(spec, where),
+                      devices=engine_gpus(spec, where))
 
 
 def build_gpu_source(config: RuntimeConfig, engine, *,  # type: ignore[no-untyped-def]

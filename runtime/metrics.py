@@ -8,7 +8,8 @@ at scrape time, so a node can sit behind a Gateway API Inference Extension pool.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import time
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -23,20 +24,32 @@ OTHER_LIMITS = ("header_timeout_s", "body_timeout_s", "write_timeout_s", "auth_f
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], model: Callable[[], str]) -> None:
+    """The gauges vLLM's own server exposes, one sample per base model (``model_name``), and
+    ``vllm:lora_requests_info`` as vLLM writes it (value: the time of the reading; labels: the
+    adapter slots and the adapters with running / waiting requests, comma-separated)."""
+
+    def __init__(self, stats: Callable[[], Sequence[tuple[str, EngineStats]]]) -> None:
         self._stats = stats
-        self._model = model
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        stats = self._stats()
-        model = self._model()
-        for name, doc, value in (
-            ("vllm:num_requests_waiting", "Requests waiting in the engine queue.", stats.waiting),
-            ("vllm:num_requests_running", "Requests running in the engine.", stats.running),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", stats.kv_cache_usage),
+        readings = self._stats()
+        for name, doc, field in (
+            ("vllm:num_requests_waiting", "Requests waiting in the engine queue.", "waiting"),
+            ("vllm:num_requests_running", "Requests running in the engine.", "running"),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.", "kv_cache_usage"),
         ):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([model], float(value))
+            for model, stats in readings:
+                family.add_metric([model], float(getattr(stats, field)))
+            yield family
+        lora = [(model, stats.lora) for model, stats in readings if stats.lora is not None]
+        if lora:
+            family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                       labels=["model_name", "max_lora", "waiting_lora_adapters",
+                                               "running_lora_adapters"])
+            now = time.time()
+            for model, info in lora:
+                family.add_metric([model, str(info.max_loras), ",".join(info.waiting), ",".join(info.running)], now)
             yield family
 
 
@@ -87,8 +100,9 @@ class RuntimeMetrics:
             child = self._token_children[(tenant, kind)] = self.tokens.labels(tenant, kind)
         child.inc(n)
 
-    def watch_engine(self, stats: Callable[[], EngineStats], model: Callable[[], str]) -> None:
-        self.registry.register(_EngineCollector(stats, model))
+    def watch_engine(self, stats: Callable[[], Sequence[tuple[str, EngineStats]]]) -> None:
+        """Collect the ``vllm:*`` gauges from ``stats`` (an engine's ``model_stats``) at scrape time."""
+        self.registry.register(_EngineCollector(stats))
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of one sample (0 when absent); for tests and the bench."""

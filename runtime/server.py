@@ -86,7 +86,7 @@ class RuntimeServer:
         self.ssl_context = ssl_context
         self.sample_interval_s = sample_interval_s
         self.metrics = RuntimeMetrics()
-        self.metrics.watch_engine(engine.stats, lambda: engine.models[0])
+        self.metrics.watch_engine(engine.model_stats)
         self.failed_samples = Counter(
             "zerolayer_gpu_samples_failed", "GPU samples that gave no reading (the scheduler kept its state).",
             registry=self.metrics.registry)

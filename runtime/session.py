@@ -117,6 +117,7 @@ class StreamSession:
         self.task: asyncio.Task[Any] | None = None
         self.started = False  # run() began
         self.engine_request: str | None = None  # set once engine work started, cleared when it ended
+        self.engine: Engine = table.engine  # the requested model's engine once the body names it
         self.first_token_sent = False
         self.prompt_tokens = 0
         self.output_tokens = 0
@@ -167,6 +168,7 @@ class StreamSession:
         request = self.wire.parse(body)
         if request.model not in engine.models:
             raise unknown_model(request.model, engine.models)
+        engine = self.engine = engine.for_model(request.model)  # several models: one engine each
         priority = self.ticket.priority
         if request.priority is not None and not self.contract.priority_given:
             priority = Priority.parse(request.priority)
@@ -207,7 +209,7 @@ class StreamSession:
     def _check_context(self, request: ChatRequest, prompt_tokens: int) -> None:
         """A prompt that fills the model's context, or a ``max_tokens`` beyond it, is the client's
         mistake (400), not an engine failure: say so before any engine work starts."""
-        context = getattr(self.table.engine, "max_model_len", None)
+        context = self.engine.context_length(request.model)
         if not context:
             return
         if prompt_tokens >= context:
@@ -226,7 +228,7 @@ class StreamSession:
     async def _complete(self, channel: Channel, frame: StreamFrame, deltas: Any,
                         head: list[tuple[str, str]]) -> None:
         try:
-            answer = Assembler(frame.request, self.table.engine.parse_tool_calls)
+            answer = Assembler(frame.request, self.engine.parse_tool_calls)
             async for delta in deltas:
                 if not self.first_token_sent and delta.token_count:
                     self._first_token()
@@ -252,7 +254,7 @@ class StreamSession:
         tenant = self.tenant.name
         if sink is not None:
             sink(tenant, rid, model, self.prompt_tokens, 0, True)
-        answer = Assembler(frame.request, self.table.engine.parse_tool_calls)
+        answer = Assembler(frame.request, self.engine.parse_tool_calls)
         async for delta in deltas:
             if delta.token_count and not self.first_token_sent:
                 self._first_token()
@@ -292,7 +294,7 @@ class StreamSession:
         self.settle()
         if request_id is not None:
             try:
-                await asyncio.shield(self.table.engine.abort(request_id))
+                await asyncio.shield(self.engine.abort(request_id))
             except EngineError as exc:
                 log.warning("engine abort of %s failed: %s", request_id, exc)
 

@@ -106,6 +106,35 @@ def generate(out_dir: str | pathlib.Path = DEFAULT_DIR, *, vocab_size: int = 204
     return out
 
 
+def generate_lora(base_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, rank: int = 8,
+                  scale: float = 0.5, seed: int = 1) -> pathlib.Path:
+    """Write a LoRA adapter for the tiny model at ``base_dir`` (PEFT layout: ``adapter_config.json``,
+    ``adapter_model.safetensors``) with random A and B matrices on ``q_proj`` and ``v_proj``, so
+    greedy output under the adapter differs from the base model's. Idempotent."""
+    out = pathlib.Path(out_dir)
+    if (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((pathlib.Path(base_dir) / "config.json").read_text())
+    hidden = int(config["hidden_size"])
+    rng = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(int(config["num_hidden_layers"])):
+        for proj in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=rng) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank, generator=rng) * scale
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
+        "base_model_name_or_path": pathlib.Path(base_dir).name}, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", default=DEFAULT_DIR)

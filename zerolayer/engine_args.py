@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Mapping
 
-from zerolayer.vllm_args import NAMES, VLLM_VERSION
+from zerolayer.vllm_args import NAMES, TOOL_PARSERS, VLLM_VERSION
 
 # Arguments the runtime sets itself, and why a pass-through may not change them.
 MANAGED = {
@@ -54,3 +54,14 @@ def problems(args: Any, where: str, typed: Mapping[str, str] | None = None) -> l
         elif typed and name in typed:
             found.append(f"{where}.{name}: also set by {typed[name]}; set it in one place only")
     return found
+
+
+def tool_parser_problem(name: Any, where: str) -> str | None:
+    """Why ``name`` cannot be vLLM's tool-call parser (``vllm serve --tool-call-parser``), or None."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or name not in TOOL_PARSERS:
+        near = difflib.get_close_matches(str(name), sorted(TOOL_PARSERS), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]!r}?" if near else f"one of {', '.join(sorted(TOOL_PARSERS))}"
+        return f"{where}: {name!r} is not a tool-call parser of vLLM {VLLM_VERSION} ({hint})"
+    return None

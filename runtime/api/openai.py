@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from zerolayer.contract import ERRORS, ErrorCode
 from zerolayer.runtime.api.common import (
@@ -422,9 +422,13 @@ def usage_chunk(cid: str, created: int, model: str, use: dict[str, int], obj: st
 DONE = b"data: [DONE]\n\n"
 
 
-def models(names: list[str], created: int) -> bytes:
+def models(names: list[str], created: int, parents: Mapping[str, str] | None = None) -> bytes:
+    """GET /v1/models: every served name; a LoRA adapter carries its base model as ``parent``
+    (None for base models), as ``vllm serve`` lists them."""
+    parents = parents or {}
     return dumps({"object": "list", "data": [
-        {"id": n, "object": "model", "created": created, "owned_by": "zerolayer"} for n in names]})
+        {"id": n, "object": "model", "created": created, "owned_by": "zerolayer", "parent": parents.get(n)}
+        for n in names]})
 
 
 def error_body(code: ErrorCode, message: str) -> dict[str, Any]:

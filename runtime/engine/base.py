@@ -10,7 +10,7 @@ import nothing above this layer; they raise :class:`~zerolayer.runtime.errors.En
 from __future__ import annotations
 
 import dataclasses
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator, Mapping, Protocol, Sequence
 
 from zerolayer.runtime.errors import EngineError
 
@@ -69,6 +69,7 @@ class Prompt:
 
     text: str
     token_ids: tuple[int, ...]
+    model: str = ""  # the model it was rendered for (a LoRA adapter's name selects the adapter)
 
     @property
     def token_count(self) -> int:
@@ -139,15 +140,42 @@ class Delta:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraStats:
+    """LoRA adapters in use, as vLLM's scheduler reports them each step (``vllm:lora_requests_info``):
+    ``max_loras`` adapters fit in one batch; ``running``/``waiting``: adapter names with requests in
+    that state."""
+
+    max_loras: int
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineStats:
     running: int
     waiting: int
     kv_cache_usage: float  # 0..1
+    lora: LoraStats | None = None  # None: the engine serves no adapters
 
 
 class Engine(Protocol):
     kind: str  # "synthetic" | "vllm"
-    models: Sequence[str]
+    models: Sequence[str]  # every name a request may give: base models, then LoRA adapters
+    adapters: Mapping[str, str]  # LoRA adapter name -> the base model it applies to
+
+    def for_model(self, model: str) -> "Engine":
+        """The engine that serves ``model`` (one of :attr:`models`): itself, or with several base
+        models (:class:`~zerolayer.runtime.engine.router.ModelRouter`) that model's own engine."""
+        ...
+
+    def context_length(self, model: str) -> int | None:
+        """Prompt and output tokens together that ``model`` takes (None: no limit known)."""
+        ...
+
+    def model_stats(self) -> Sequence[tuple[str, EngineStats]]:
+        """(base model, its engine's stats) for each engine: the ``vllm:*`` gauges per model."""
+        ...
+
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...

@@ -70,6 +70,17 @@ class SyntheticEngine:
         self._aborted: set[str] = set()
         self._started = False
 
+    adapters: dict[str, str] = {}  # no LoRA: every name in models is a base model
+
+    def for_model(self, model: str) -> "SyntheticEngine":
+        return self
+
+    def context_length(self, model: str) -> int | None:
+        return self.max_model_len
+
+    def model_stats(self) -> list[tuple[str, EngineStats]]:
+        return [(self.models[0], self.stats())]
+
     async def start(self) -> None:
         self._started = True
 

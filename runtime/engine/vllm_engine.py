@@ -11,12 +11,13 @@ runtime works without the ``engine`` extra.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import subprocess
 import sys
-from typing import Any, AsyncIterator, ClassVar, Mapping, Sequence
+from typing import Any, AsyncIterator, ClassVar, Iterator, Mapping, Sequence
 
 from zerolayer.runtime.engine import tools as forced
 from zerolayer.runtime.engine.base import (
@@ -24,6 +25,7 @@ from zerolayer.runtime.engine.base import (
     Delta,
     EngineStats,
     InputRejected,
+    LoraStats,
     Prompt,
     SamplingOptions,
     TokenLogprob,
@@ -161,6 +163,66 @@ def _is_template_error(exc: BaseException) -> bool:
     return isinstance(exc, TemplateError)
 
 
+@contextlib.contextmanager
+def _visible_devices(devices: Sequence[int] | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES set to ``devices`` while vLLM starts its engine-core and worker
+    processes (they inherit it and see only those GPUs), restored after; nothing when None."""
+    if devices is None:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter served under its own model name: a PEFT folder (``adapter_config.json`` and
+    ``adapter_model.safetensors``) trained for the engine's base model."""
+
+    name: str
+    path: str
+
+
+# vLLM's accepted ``max_lora_rank`` values (vllm.config.lora.MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def adapter_rank(adapter: LoraAdapter) -> int:
+    """The adapter's rank ``r`` from its ``adapter_config.json`` (ConfigError when unreadable)."""
+    import json
+
+    where = os.path.join(adapter.path, "adapter_config.json")
+    try:
+        with open(where) as f:
+            rank = json.load(f).get("r")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"LoRA adapter {adapter.name!r}: cannot read {where}: {exc}") from exc
+    if not isinstance(rank, int) or rank <= 0:
+        raise ConfigError(f"LoRA adapter {adapter.name!r}: {where} gives no positive rank r")
+    return rank
+
+
+def lora_args(adapters: Sequence[LoraAdapter], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` LoRA needs (those ``given`` in engine_args win): LoRA on, every adapter
+    resident at once (``max_loras``), and the smallest vLLM rank that fits the largest adapter."""
+    if not adapters:
+        return {}
+    args: dict[str, Any] = {"enable_lora": True, "max_loras": len(adapters)}
+    rank = max(adapter_rank(a) for a in adapters)
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise ConfigError(f"LoRA rank {rank} is above vLLM's largest, {LORA_RANKS[-1]}")
+    args["max_lora_rank"] = fits[0]
+    return {k: v for k, v in args.items() if k not in given}
+
+
 @dataclasses.dataclass(frozen=True)
 class VllmSettings:
     """The engine settings zerolayer types itself, and the arguments passed through as they are.
@@ -236,16 +298,25 @@ class VllmEngine:
     kind = "vllm"
 
     def __init__(self, model_path: str, *, served_name: str | None = None, settings: VllmSettings | None = None,
-                 tool_parser: str | None = None, **knobs: Any) -> None:
+                 tool_parser: str | None = None, loras: Sequence[LoraAdapter] = (),
+                 devices: Sequence[int] | None = None, **knobs: Any) -> None:
         if settings is not None and knobs:
             raise TypeError("give settings or keyword settings, not both")
         # vLLM's tool-call parser for tool_choice "auto" (vllm serve's --tool-call-parser, e.g. "hermes");
         # None: "auto" is refused (400), forced choices work without one.
         self.tool_parser = tool_parser
         self.model_path = model_path
-        self.models = (served_name or os.path.basename(os.path.normpath(model_path)),)
+        base = served_name or os.path.basename(os.path.normpath(model_path))
+        self.loras = tuple(loras)
+        self.models = (base, *(a.name for a in self.loras))  # adapters are served under their own names
+        if len(set(self.models)) != len(self.models):
+            raise ConfigError(f"model {base!r}: adapter names must be unique and differ from the model's")
+        self.adapters = {a.name: base for a in self.loras}
+        self._lora_requests: dict[str, Any] = {}  # adapter name -> vLLM LoRARequest, built at start
+        # The GPUs this engine's processes see (CUDA_VISIBLE_DEVICES while vLLM starts them); None: all.
+        self.devices = tuple(devices) if devices is not None else None
         self.settings = settings if settings is not None else VllmSettings(**knobs)
-        self._args = self.settings.vllm_args(model_path, self.models[0])
+        self._args = self.settings.vllm_args(model_path, base)
         self._llm: Any = None
         self._tokenizer: Any = None
         self._stats = EngineStats(running=0, waiting=0, kv_cache_usage=0.0)
@@ -261,6 +332,15 @@ class VllmEngine:
             return int(resolved)
         configured = self._args.get("max_model_len")
         return int(configured) if configured else None
+
+    def for_model(self, model: str) -> "VllmEngine":
+        return self
+
+    def context_length(self, model: str) -> int | None:
+        return self.max_model_len
+
+    def model_stats(self) -> list[tuple[str, EngineStats]]:
+        return [(self.models[0], self._stats)]
 
     async def start(self) -> None:
         """Start AsyncLLM. Blocks the loop while vLLM spawns its processes: call before serving."""
@@ -292,18 +372,30 @@ class VllmEngine:
 
             def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
                 if scheduler_stats is not None:
+                    lora = None
+                    if max_loras:
+                        lora = LoraStats(max_loras, tuple(sorted(scheduler_stats.running_lora_adapters)),
+                                         tuple(sorted(scheduler_stats.waiting_lora_adapters)))
                     engine._stats = EngineStats(
                         running=scheduler_stats.num_running_reqs,
                         waiting=scheduler_stats.num_waiting_reqs,
                         kv_cache_usage=float(scheduler_stats.kv_cache_usage),
+                        lora=lora,
                     )
 
             def log_engine_initialized(self) -> None:
                 pass
 
+        args = {**self._args, **lora_args(self.loras, self._args)}
+        max_loras = int(args.get("max_loras", 1)) if args.get("enable_lora") else 0
+        if self.loras:
+            from vllm.lora.request import LoRARequest
+
+            self._lora_requests = {a.name: LoRARequest(a.name, i, a.path) for i, a in enumerate(self.loras, 1)}
         before = set(descendants(os.getpid()))
         try:
-            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args), stat_loggers=[_StatsSink])
+            with _visible_devices(self.devices):
+                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_StatsSink])
             self._tokenizer = self._llm.get_tokenizer()
         except Exception as exc:  # vLLM raises plain RuntimeError/ValueError for bad configs
             raise EngineError(f"vLLM failed to start with model {self.model_path!r}: {exc}") from exc
@@ -363,7 +455,7 @@ class VllmEngine:
             text = tokenizer.apply_chat_template(chat, add_generation_prompt=not continue_final,
                                                  continue_final_message=continue_final, tokenize=False, **extra)
             ids = tokenizer.encode(text, add_special_tokens=False)
-            return Prompt(text=text, token_ids=tuple(ids))
+            return Prompt(text=text, token_ids=tuple(ids), model=model)
 
         return await self._tokenize(_render, "chat template")
 
@@ -374,7 +466,7 @@ class VllmEngine:
 
         def _encode() -> Prompt:
             # As vllm serve's /v1/completions: the tokenizer's own special tokens (BOS) are added.
-            return Prompt(text=text, token_ids=tuple(tokenizer.encode(text, add_special_tokens=True)))
+            return Prompt(text=text, token_ids=tuple(tokenizer.encode(text, add_special_tokens=True)), model=model)
 
         return await self._tokenize(_encode, "tokenizer")
 
@@ -393,6 +485,27 @@ class VllmEngine:
     def parse_tool_calls(self, text: str, tools: ToolUse) -> tuple[str, tuple[ToolCall, ...]]:
         if tools.choice in ("required", "function"):
             return forced.parse_forced(text, tools)
+        parser, request = self._tool_parser(tools)
+        found = parser.extract_tool_calls(text, request)
+        if not found.tools_called:
+            return text, ()
+        calls = tuple(ToolCall(c.id or forced.call_id(), c.function.name, c.function.arguments)
+                      for c in found.tool_calls)
+        return found.content or "", calls
+
+    def tool_call_stream(self, tools: ToolUse) -> Any:
+        """A :class:`~zerolayer.runtime.engine.base.ToolCallStream`. Forced choices: their JSON read as
+        it streams; ``"auto"``: a fresh instance of vLLM's parser (parsers keep streaming state, so one
+        per completion) fed as ``vllm serve`` feeds it."""
+        from zerolayer.runtime.engine.tool_stream import ForcedCallStream, ParserCallStream
+
+        if tools.choice in ("required", "function"):
+            return ForcedCallStream(tools)
+        return ParserCallStream(*self._tool_parser(tools))
+
+    def _tool_parser(self, tools: ToolUse) -> tuple[Any, Any]:
+        """A new instance of this node's vLLM tool-call parser and the ``ChatCompletionRequest`` it reads
+        the tools from; :class:`InputRejected` where the node runs none."""
         if self.tool_parser is None:
             raise InputRejected("tool_choice auto: this node runs no tool-call parser")
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -400,13 +513,7 @@ class VllmEngine:
 
         request = ChatCompletionRequest(model=self.models[0], messages=[{"role": "user", "content": ""}],
                                         tools=[tool_schema(t) for t in tools.tools], tool_choice="auto")
-        parser = ToolParserManager.get_tool_parser(self.tool_parser)(self._tokenizer, request.tools)
-        found = parser.extract_tool_calls(text, request)
-        if not found.tools_called:
-            return text, ()
-        calls = tuple(ToolCall(c.id or forced.call_id(), c.function.name, c.function.arguments)
-                      for c in found.tool_calls)
-        return found.content or "", calls
+        return ToolParserManager.get_tool_parser(self.tool_parser)(self._tokenizer, request.tools), request
 
     async def generate(
         self, prompt: Prompt, options: SamplingOptions, request_id: str, priority: int
@@ -420,7 +527,8 @@ class VllmEngine:
         started = False
         try:
             async for out in self._llm.generate(
-                {"prompt_token_ids": list(prompt.token_ids)}, params, request_id=request_id, priority=priority
+                {"prompt_token_ids": list(prompt.token_ids)}, params, request_id=request_id, priority=priority,
+                lora_request=self._lora_requests.get(prompt.model),
             ):
                 started = True
                 for completion in out.outputs:  # n > 1: each output is one completion's delta
@@ -524,7 +632,8 @@ def delta_of(completion: Any, logprobs: int | None) -> Delta:
     stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
     return Delta(completion.text, len(completion.token_ids), completion.finish_reason, index=completion.index,
                  stop_sequence=stop if completion.finish_reason == "stop" else None,
-                 logprobs=token_logprobs(completion, logprobs) if logprobs is not None else ())
+                 logprobs=token_logprobs(completion, logprobs) if logprobs is not None else (),
+                 token_ids=tuple(completion.token_ids))
 
 
 def token_logprobs(completion: Any, top: int) -> tuple[TokenLogprob, ...]:
