@@ -254,14 +254,14 @@ class StreamSession:
         tenant = self.tenant.name
         if sink is not None:
             sink(tenant, rid, model, self.prompt_tokens, 0, True)
-        answer = Assembler(frame.request, self.engine.parse_tool_calls)
+        answer = Assembler(frame.request, self.engine.parse_tool_calls, self.engine.tool_call_stream)
         async for delta in deltas:
             if delta.token_count and not self.first_token_sent:
                 self._first_token()
             self.output_tokens += delta.token_count
-            answer.add(delta)
-            if (delta.text or delta.logprobs) and not answer.buffers:  # buffered: sent whole at the end
-                piece = wire.stream_delta(frame, delta)
+            sent = answer.add(delta)  # tool calls stream as they are found
+            if sent is not None:
+                piece = wire.stream_delta(frame, *sent)
                 if piece:
                     await channel.send(piece)
             if sink is not None and delta.token_count:

@@ -9,6 +9,7 @@ from zerolayer.contract import ERRORS, ErrorCode
 from zerolayer.runtime.api.common import (
     ChatRequest,
     Choice,
+    ContentBlocks,
     Neutral,
     check_fields,
     dumps,
@@ -25,7 +26,7 @@ from zerolayer.runtime.api.common import (
     top_k,
     user_id,
 )
-from zerolayer.runtime.engine.base import ChatMessage, ToolCall, ToolSpec, ToolUse
+from zerolayer.runtime.engine.base import ChatMessage, ToolCall, ToolCallPiece, ToolSpec, ToolUse
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
@@ -236,24 +237,44 @@ def stream_delta(text: str, index: int = 0) -> bytes:
                                        "delta": {"type": "text_delta", "text": text}})
 
 
-def stream_blocks(choice: Choice) -> bytes:
-    """A finished choice's whole content as stream events (blocks 0..k, each opened, filled and
-    stopped): how a tool-using answer is streamed, since its calls are known only once it ends."""
+def stream_piece(blocks: ContentBlocks, text: str, calls: Sequence[ToolCallPiece] = ()) -> bytes:
+    """One delta's text and tool-call pieces as content-block events. Text goes to the open text
+    block (one is opened, closing the open ``tool_use`` block, when text follows a call); a call's
+    first piece closes the open block and opens its ``tool_use`` block (``input`` ``{}``), and its
+    arguments follow as ``input_json_delta`` ``partial_json`` fragments, as the Messages API streams."""
+    if not calls and blocks.open == "text":
+        return stream_delta(text, blocks.count - 1) if text else b""
     out = b""
-    for index, block in enumerate(content_blocks(choice)):
-        if block["type"] == "text":
-            out += sse("content_block_start", {"type": "content_block_start", "index": index,
-                                               "content_block": {"type": "text", "text": ""}})
-            if block["text"]:
-                out += stream_delta(block["text"], index)
-        else:
-            out += sse("content_block_start", {"type": "content_block_start", "index": index,
-                                               "content_block": {**block, "input": {}}})
-            out += sse("content_block_delta", {"type": "content_block_delta", "index": index,
+    if text:
+        if blocks.open != "text":
+            out += _open_block(blocks, "text", {"type": "text", "text": ""})
+        out += stream_delta(text, blocks.count - 1)
+    for piece in calls:
+        if piece.index not in blocks.calls:
+            out += _open_block(blocks, "tool_use", {"type": "tool_use", "id": piece.id, "name": piece.name,
+                                                    "input": {}})
+            blocks.calls[piece.index] = blocks.count - 1
+        if piece.arguments:
+            out += sse("content_block_delta", {"type": "content_block_delta", "index": blocks.calls[piece.index],
                                                "delta": {"type": "input_json_delta",
-                                                         "partial_json": json.dumps(block["input"])}})
-        out += sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                                                         "partial_json": piece.arguments}})
     return out
+
+
+def _open_block(blocks: ContentBlocks, kind: str, block: dict[str, Any]) -> bytes:
+    """Close the open block, if any, and open ``block`` as the next one."""
+    out = _close_block(blocks)
+    out += sse("content_block_start", {"type": "content_block_start", "index": blocks.count, "content_block": block})
+    blocks.count += 1
+    blocks.open = kind
+    return out
+
+
+def _close_block(blocks: ContentBlocks) -> bytes:
+    if blocks.open is None:
+        return b""
+    blocks.open = None
+    return sse("content_block_stop", {"type": "content_block_stop", "index": blocks.count - 1})
 
 
 def stream_end(stop_reason: str, input_tokens: int, output_tokens: int, stop_sequence: str | None = None,
@@ -269,12 +290,15 @@ def stream_end(stop_reason: str, input_tokens: int, output_tokens: int, stop_seq
     )
 
 
-def stream_close(choice: Choice, input_tokens: int, output_tokens: int, buffered: bool = False) -> bytes:
-    """The end of a stream: a ``buffered`` (tool-using) answer's whole content blocks, else the
-    close of text block 0; then the stop reason (with the matched ``stop_sequence``)."""
+def stream_close(choice: Choice, input_tokens: int, output_tokens: int, blocks: ContentBlocks) -> bytes:
+    """The end of a stream: the open block closed (an answer that opened none gets an empty text
+    block, as its non-streamed content has one), then the stop reason (with the matched
+    ``stop_sequence``), which is the whole output's, parsed as the non-streamed answer is."""
+    head = _close_block(blocks)
+    if blocks.count == 0:
+        head += _open_block(blocks, "text", {"type": "text", "text": ""}) + _close_block(blocks)
     sequence = choice.stop_sequence if stop_reason(choice) == "stop_sequence" else None
-    head = stream_blocks(choice) if buffered else b""
-    return head + stream_end(stop_reason(choice), input_tokens, output_tokens, sequence, close_block=not buffered)
+    return head + stream_end(stop_reason(choice), input_tokens, output_tokens, sequence, close_block=False)
 
 
 def error_body(code: ErrorCode, message: str) -> dict[str, Any]:

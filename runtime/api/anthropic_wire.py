@@ -8,7 +8,7 @@ from zerolayer.contract import ErrorCode
 from zerolayer.runtime.api import anthropic
 from zerolayer.runtime.api.common import ChatRequest, Choice, dumps
 from zerolayer.runtime.api.wire import StreamFrame
-from zerolayer.runtime.engine.base import Delta
+from zerolayer.runtime.engine.base import Delta, ToolCallPiece
 
 
 class AnthropicWire:
@@ -24,16 +24,19 @@ class AnthropicWire:
                                           {"input_tokens": prompt_tokens, "output_tokens": output_tokens}))
 
     def stream_start(self, frame: StreamFrame, prompt_tokens: int) -> bytes:
-        return anthropic.stream_start(frame.request_id, frame.request.model, prompt_tokens,
-                                      text_block=frame.request.tool_use is None)
+        # Without tools the answer is one text block, opened at once; with tools each block opens
+        # when its first text or call arrives.
+        text_block = frame.request.tool_use is None
+        if text_block:
+            frame.blocks.count, frame.blocks.open = 1, "text"
+        return anthropic.stream_start(frame.request_id, frame.request.model, prompt_tokens, text_block=text_block)
 
-    def stream_delta(self, frame: StreamFrame, delta: Delta) -> bytes:
-        return anthropic.stream_delta(delta.text) if delta.text else b""
+    def stream_delta(self, frame: StreamFrame, delta: Delta, calls: Sequence[ToolCallPiece] = ()) -> bytes:
+        return anthropic.stream_piece(frame.blocks, delta.text, calls)
 
     def stream_end(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
                    output_tokens: int) -> bytes:
-        return anthropic.stream_close(choices[0], prompt_tokens, output_tokens,
-                                      buffered=frame.request.tool_use is not None)
+        return anthropic.stream_close(choices[0], prompt_tokens, output_tokens, frame.blocks)
 
     def stream_error(self, code: ErrorCode, message: str) -> bytes:
         return anthropic.stream_error(code, message)

@@ -10,10 +10,13 @@ from typing import Any, Callable, Mapping
 from zerolayer.contract import ErrorCode
 from zerolayer.runtime.engine.base import (
     ChatMessage,
+    Delta,
     SamplingOptions,
     StructuredOutput,
     TokenLogprob,
     ToolCall,
+    ToolCallPiece,
+    ToolCallStream,
     ToolSpec,
     ToolUse,
 )
@@ -268,34 +271,59 @@ def sse(event: str | None, data: Any) -> bytes:
     return head + b"data: " + payload + b"\n\n"
 
 
-class Assembler:
-    """Collects an answer's deltas into its finished :class:`Choice`\\ s (one per ``n``).
+class ContentBlocks:
+    """The content blocks one stream has opened so far (Anthropic numbers text and ``tool_use``
+    blocks in one sequence, and a block is open until the next one starts): the one piece of a
+    stream's state a wire format keeps between events."""
 
-    ``buffers`` is True when the answer cannot be streamed as it comes: tool calls are recognised
-    only in the whole output, so a tool-using stream sends its content once it ends (the
-    calls each whole in one event). ``parse_tools`` is the engine's
-    :meth:`~zerolayer.runtime.engine.base.Engine.parse_tool_calls`.
+    def __init__(self) -> None:
+        self.count = 0  # blocks opened so far; the open one, if any, is count - 1
+        self.open: str | None = None  # "text" | "tool_use" | None (none open)
+        self.calls: dict[int, int] = {}  # tool call index -> its block's index
+
+
+class Assembler:
+    """Collects an answer's deltas into its finished :class:`Choice`\\ s (one per ``n``) and, for a
+    stream, says what each delta adds to it.
+
+    ``parse_tools`` is the engine's :meth:`~zerolayer.runtime.engine.base.Engine.parse_tool_calls`
+    (the finished choices' tool calls, as the non-streamed answer gives them). ``tool_stream`` is
+    the engine's :meth:`~zerolayer.runtime.engine.base.Engine.tool_call_stream`: given (a stream
+    of a request offering tools), each completion's calls are found while it is generated and
+    :meth:`add` returns its content and call pieces as they become known.
     """
 
     def __init__(self, request: ChatRequest,
-                 parse_tools: Callable[[str, ToolUse], tuple[str, tuple[ToolCall, ...]]]) -> None:
+                 parse_tools: Callable[[str, ToolUse], tuple[str, tuple[ToolCall, ...]]],
+                 tool_stream: Callable[[ToolUse], ToolCallStream] | None = None) -> None:
         self.request = request
         self.parse_tools = parse_tools
-        self.buffers = request.tool_use is not None
+        self._streams: dict[int, ToolCallStream] | None = None
+        if request.tool_use is not None and tool_stream is not None:
+            self._streams = {i: tool_stream(request.tool_use) for i in range(request.n)}
         self._text: dict[int, list[str]] = {i: [] for i in range(request.n)}
         self._logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(request.n)}
         self._tokens = dict.fromkeys(range(request.n), 0)
         self._finish: dict[int, str] = {}
         self._stop: dict[int, str | None] = {}
 
-    def add(self, delta: Any) -> None:
-        """One engine :class:`~zerolayer.runtime.engine.base.Delta`."""
+    def add(self, delta: Delta) -> tuple[Delta, tuple[ToolCallPiece, ...]] | None:
+        """Take one engine delta; return what it adds to a stream: the delta to send (for a
+        tool-using answer, its text replaced by the content the tool-call stream let through) and the
+        tool-call pieces it completed; None when it adds nothing to send (yet)."""
         self._text[delta.index].append(delta.text)
-        self._logprobs[delta.index].extend(delta.logprobs)
+        if delta.logprobs:
+            self._logprobs[delta.index].extend(delta.logprobs)
         self._tokens[delta.index] += delta.token_count
         if delta.finish_reason:
             self._finish[delta.index] = delta.finish_reason
             self._stop[delta.index] = delta.stop_sequence
+        if self._streams is None:
+            return (delta, ()) if delta.text or delta.logprobs else None
+        step = self._streams[delta.index].feed(delta)
+        if not (step.content or step.calls or delta.logprobs):
+            return None
+        return dataclasses.replace(delta, text=step.content), step.calls
 
     def choices(self) -> list[Choice]:
         """The finished choices, tool calls parsed out of their text where tools were offered."""

@@ -9,7 +9,7 @@ from zerolayer.contract import ErrorCode
 from zerolayer.runtime.api import openai
 from zerolayer.runtime.api.common import ChatRequest, Choice, dumps
 from zerolayer.runtime.api.wire import StreamFrame
-from zerolayer.runtime.engine.base import Delta
+from zerolayer.runtime.engine.base import Delta, ToolCallPiece
 
 
 class CompletionsWire:
@@ -28,7 +28,7 @@ class CompletionsWire:
     def stream_start(self, frame: StreamFrame, prompt_tokens: int) -> bytes:
         return b""  # the legacy stream has no opening event: the first text is the first event
 
-    def stream_delta(self, frame: StreamFrame, delta: Delta) -> bytes:
+    def stream_delta(self, frame: StreamFrame, delta: Delta, calls: Sequence[ToolCallPiece] = ()) -> bytes:
         request = frame.request
         return openai.text_chunk(frame.request_id, frame.created, request.model, delta.index, delta.text, None,
                                  delta.logprobs if request.logprobs is not None else None,

@@ -26,7 +26,15 @@ from zerolayer.runtime.api.common import (
     top_k,
     user_id,
 )
-from zerolayer.runtime.engine.base import ChatMessage, StructuredOutput, TokenLogprob, ToolCall, ToolSpec, ToolUse
+from zerolayer.runtime.engine.base import (
+    ChatMessage,
+    StructuredOutput,
+    TokenLogprob,
+    ToolCall,
+    ToolCallPiece,
+    ToolSpec,
+    ToolUse,
+)
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 DEFAULT_MAX_TOKENS = 256
@@ -340,9 +348,18 @@ def tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-def tool_call_deltas(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
-    """Streamed calls, each whole in one delta (``index`` tells them apart)."""
-    return [{"index": i, **call} for i, call in enumerate(tool_calls(calls))]
+def tool_call_deltas(pieces: Sequence[ToolCallPiece]) -> list[dict[str, Any]]:
+    """Streamed tool-call pieces as ``delta.tool_calls``: a call's first piece carries ``id``,
+    ``type`` and ``function.name`` (and the arguments so far); later ones only ``function.arguments``
+    (``index`` tells the calls apart). The shapes ``vllm serve`` streams."""
+    out: list[dict[str, Any]] = []
+    for piece in pieces:
+        if piece.id is not None:
+            out.append({"index": piece.index, "id": piece.id, "type": "function",
+                        "function": {"name": piece.name, "arguments": piece.arguments}})
+        else:
+            out.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+    return out
 
 
 def _bytes(token: str) -> list[int]:
@@ -380,25 +397,23 @@ def chunk(cid: str, created: int, model: str, delta: dict[str, Any], finish: str
 
 
 def stream_piece(cid: str, created: int, model: str, delta: Any, include_usage: bool = False,
-                 logprobs: bool = False) -> bytes:
-    """One engine delta (of choice ``delta.index``) as a chat chunk: its text and, when asked, its logprobs."""
-    return chunk(cid, created, model, {"content": delta.text}, None, include_usage=include_usage, index=delta.index,
+                 logprobs: bool = False, calls: Sequence[ToolCallPiece] = ()) -> bytes:
+    """One engine delta (of choice ``delta.index``) as a chat chunk: its text, the tool-call pieces it
+    completed and, when asked, its logprobs. A tool-using answer's delta carries ``content`` only
+    when it has text (a call's chunks carry none, as ``vllm serve`` sends them)."""
+    body: dict[str, Any] = {"content": delta.text} if delta.text or not calls else {}
+    if calls:
+        body["tool_calls"] = tool_call_deltas(calls)
+    return chunk(cid, created, model, body, None, include_usage=include_usage, index=delta.index,
                  logprobs=chat_logprobs(delta.logprobs) if logprobs else None)
 
 
 def stream_close(cid: str, created: int, model: str, choices: Sequence[Choice], use: dict[str, int],
-                 include_usage: bool = False, tool_use: ToolUse | None = None, buffered: bool = False,
-                 logprobs: bool = False) -> bytes:
-    """The end of a chat stream: for a ``buffered`` (tool-using) answer each choice's content and
-    calls first, then a finish chunk per choice, the usage chunk when asked, ``[DONE]``."""
+                 include_usage: bool = False, tool_use: ToolUse | None = None) -> bytes:
+    """The end of a chat stream: a finish chunk per choice (``tool_calls`` where the whole output
+    parses into calls, as the non-streamed answer says), the usage chunk when asked, ``[DONE]``."""
     out = b""
     for c in choices:
-        if buffered:
-            delta: dict[str, Any] = {"content": c.text} if c.text or not c.tool_calls else {}
-            if c.tool_calls:
-                delta["tool_calls"] = tool_call_deltas(c.tool_calls)
-            out += chunk(cid, created, model, delta, None, include_usage=include_usage, index=c.index,
-                         logprobs=chat_logprobs(c.logprobs) if logprobs else None)
         out += chunk(cid, created, model, {}, finish_reason(c, tool_use), include_usage=include_usage, index=c.index)
     if include_usage:
         out += usage_chunk(cid, created, model, use)

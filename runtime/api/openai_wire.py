@@ -8,7 +8,7 @@ from zerolayer.contract import ErrorCode
 from zerolayer.runtime.api import openai
 from zerolayer.runtime.api.common import ChatRequest, Choice, dumps
 from zerolayer.runtime.api.wire import StreamFrame
-from zerolayer.runtime.engine.base import Delta
+from zerolayer.runtime.engine.base import Delta, ToolCallPiece
 
 
 class OpenAIWire:
@@ -31,18 +31,18 @@ class OpenAIWire:
                                      {"role": "assistant", "content": ""}, None,
                                      include_usage=request.include_usage, index=i) for i in range(request.n))
 
-    def stream_delta(self, frame: StreamFrame, delta: Delta) -> bytes:
+    def stream_delta(self, frame: StreamFrame, delta: Delta, calls: Sequence[ToolCallPiece] = ()) -> bytes:
         request = frame.request
         return openai.stream_piece(frame.request_id, frame.created, request.model, delta,
-                                   include_usage=request.include_usage, logprobs=request.logprobs is not None)
+                                   include_usage=request.include_usage, logprobs=request.logprobs is not None,
+                                   calls=calls)
 
     def stream_end(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
                    output_tokens: int) -> bytes:
         request = frame.request
         return openai.stream_close(frame.request_id, frame.created, request.model, choices,
                                    openai.usage(prompt_tokens, output_tokens), include_usage=request.include_usage,
-                                   tool_use=request.tool_use, buffered=request.tool_use is not None,
-                                   logprobs=request.logprobs is not None)
+                                   tool_use=request.tool_use)
 
     def stream_error(self, code: ErrorCode, message: str) -> bytes:
         return openai.stream_error(code, message)

@@ -20,18 +20,20 @@ import math
 from typing import Protocol, Sequence
 
 from zerolayer.contract import ERROR_HEADER, ERRORS, ErrorCode
-from zerolayer.runtime.api.common import ChatRequest, Choice
-from zerolayer.runtime.engine.base import Delta
+from zerolayer.runtime.api.common import ChatRequest, Choice, ContentBlocks
+from zerolayer.runtime.engine.base import Delta, ToolCallPiece
 from zerolayer.runtime.errors import RequestRefused
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamFrame:
-    """What stays the same for every event of one answer."""
+    """What stays the same for every event of one answer (and the blocks it opened, see
+    :class:`ContentBlocks`)."""
 
     request_id: str
     created: int  # Unix seconds, as the OpenAI format carries it
     request: ChatRequest
+    blocks: ContentBlocks = dataclasses.field(default_factory=ContentBlocks)
 
 
 class WireApi(Protocol):
@@ -54,14 +56,15 @@ class WireApi(Protocol):
         """The SSE events sent before the first token."""
         ...
 
-    def stream_delta(self, frame: StreamFrame, delta: Delta) -> bytes:
-        """The SSE event for one engine delta (text or logprobs, of choice ``delta.index``). Not called
-        for a request whose answer is sent whole at the end (tools: ``Assembler.buffers``)."""
+    def stream_delta(self, frame: StreamFrame, delta: Delta, calls: Sequence[ToolCallPiece] = ()) -> bytes:
+        """The SSE events for one engine delta of choice ``delta.index``: its text and logprobs, and
+        the tool-call pieces it completed (see :meth:`~zerolayer.runtime.api.common.Assembler.add`)."""
         ...
 
     def stream_end(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
                    output_tokens: int) -> bytes:
-        """The SSE events that close a stream that ended normally (and, for a buffered answer, its content)."""
+        """The SSE events that close a stream that ended normally: finish/stop reasons (taken from
+        ``choices``, the whole output parsed as the non-streamed answer is) and usage."""
         ...
 
     def stream_error(self, code: ErrorCode, message: str) -> bytes:

@@ -137,6 +137,40 @@ class Delta:
     index: int = 0  # which of the request's ``n`` completions this delta extends
     stop_sequence: str | None = None  # with finish_reason "stop": the stop string that ended it, if one did
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when ``SamplingOptions.logprobs`` is set
+    token_ids: tuple[int, ...] = ()  # the new tokens' ids (what vLLM's streaming tool-call parsers read)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallPiece:
+    """Part of a tool call as it streams. The first piece of call ``index`` (0, 1, ... within one
+    completion) carries its ``id`` and ``name``; every piece may carry more ``arguments`` text, and
+    a call's pieces' ``arguments`` concatenated are its arguments (a JSON object's text)."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolStreamStep:
+    """What one delta of a tool-using output adds to the answer: ``content`` (text for the client)
+    and the tool-call pieces that became known, in order."""
+
+    content: str = ""
+    calls: tuple[ToolCallPiece, ...] = ()
+
+
+class ToolCallStream(Protocol):
+    """Finds tool calls in one completion while it is generated (one per completion: it keeps state).
+
+    :meth:`feed` takes the completion's deltas in order and says what each adds; the delta whose
+    ``finish_reason`` is set also flushes whatever is still held back. The content and pieces sent
+    add up to what :meth:`Engine.parse_tool_calls` finds in the whole output, except where the
+    output was cut short (``max_tokens``) inside a call: that call's pieces were sent as they came.
+    """
+
+    def feed(self, delta: Delta) -> ToolStreamStep: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +229,12 @@ class Engine(Protocol):
         """A finished output split into (remaining text, the tool calls in it). Forced calls (choice
         ``"required"``/``"function"``) are the JSON the structured output asked for; ``"auto"`` uses the
         engine's tool-call parser (:class:`InputRejected` at generate time where it has none)."""
+        ...
+
+    def tool_call_stream(self, tools: ToolUse) -> ToolCallStream:
+        """A fresh :class:`ToolCallStream` for one completion of a request that offers ``tools``
+        (forced choices: the structured output's JSON read incrementally; ``"auto"``: the engine's
+        tool-call parser in streaming mode; :class:`InputRejected` where it has none)."""
         ...
 
     def generate(

@@ -12,7 +12,8 @@ what it honours of :class:`SamplingOptions` is what a uniform deterministic choo
 (completion ``i`` hashes the prompt with ``i``), ``stop`` (output ends before a stop string, which is
 reported), ``logprobs`` (every word's true probability, 1/len(_WORDS)), structured outputs and forced
 tool calls (a minimal JSON instance of the schema: types, required properties, enums, first
-``anyOf`` branch; not pattern, length or numeric bounds). Temperature, top_p, top_k, penalties,
+``anyOf`` branch; not pattern, length or numeric bounds; written :data:`JSON_TOKEN_CHARS` characters
+per token, cut short by ``max_tokens`` like any output). Temperature, top_p, top_k, penalties,
 logit_bias and seed change nothing: the choice is not sampled.
 """
 
@@ -25,6 +26,7 @@ import math
 from typing import Any, AsyncIterator, Sequence
 
 from zerolayer.runtime.engine import tools as forced
+from zerolayer.runtime.engine.tool_stream import ForcedCallStream
 from zerolayer.runtime.engine.base import (
     ChatMessage,
     Delta,
@@ -38,6 +40,10 @@ from zerolayer.runtime.engine.base import (
     ToolUse,
 )
 from zerolayer.runtime.errors import EngineError
+
+# A JSON output (structured outputs, forced tool calls) is written this many characters per token,
+# so it streams in pieces as a model's would.
+JSON_TOKEN_CHARS = 4
 
 _WORDS = (
     "zero layer stream token header tenant session priority deadline engine cache memory "
@@ -106,13 +112,16 @@ class SyntheticEngine:
 
     @staticmethod
     def _prompt(text: str) -> Prompt:
-        ids = tuple(int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "big") % 32000
-                    for w in text.split())
-        return Prompt(text=text, token_ids=ids)
+        return Prompt(text=text, token_ids=tuple(_token_id(w) for w in text.split()))
 
     def parse_tool_calls(self, text: str, tools: ToolUse) -> tuple[str, tuple[ToolCall, ...]]:
         if tools.choice in ("required", "function"):
             return forced.parse_forced(text, tools)
+        raise InputRejected("tool_choice auto: the synthetic engine has no tool-call parser")
+
+    def tool_call_stream(self, tools: ToolUse) -> ForcedCallStream:
+        if tools.choice in ("required", "function"):
+            return ForcedCallStream(tools)
         raise InputRejected("tool_choice auto: the synthetic engine has no tool-call parser")
 
     async def generate(
@@ -141,7 +150,8 @@ class SyntheticEngine:
                     yield Delta(words[step], 1, finish if last else None, index=i,
                                 stop_sequence=stop if last else None,
                                 logprobs=(self._logprob(words[step], options.logprobs),)
-                                if options.logprobs is not None else ())
+                                if options.logprobs is not None else (),
+                                token_ids=(_token_id(words[step]),))
             for i, (words, finish, stop) in enumerate(outputs):
                 if not words:
                     yield Delta("", 0, finish, index=i, stop_sequence=stop)
@@ -155,7 +165,8 @@ class SyntheticEngine:
         digest = hashlib.sha256(seed).digest()
         schema = self._schema(options)
         if schema is not None:
-            pieces = [json.dumps(_instance(schema, digest), separators=(",", ":"))]
+            whole = json.dumps(_instance(schema, digest), separators=(",", ":"))
+            pieces = [whole[i:i + JSON_TOKEN_CHARS] for i in range(0, len(whole), JSON_TOKEN_CHARS)]
         else:
             # the synthetic engine's own end of sequence is after output_tokens; ignore_eos runs past it
             count = options.max_tokens if options.ignore_eos else min(options.max_tokens, self.output_tokens)
@@ -170,7 +181,8 @@ class SyntheticEngine:
                     kept.append(piece[:cut])
                 return kept, "stop", hit[1]
             kept.append(piece)
-        finish = "length" if len(kept) >= options.max_tokens and schema is None else "stop"
+        finish = "length" if len(kept) < len(pieces) or (schema is None and len(kept) >= options.max_tokens) \
+            else "stop"
         return kept, finish, None
 
     @staticmethod
@@ -198,6 +210,11 @@ class SyntheticEngine:
         used = sum(self._held.values())
         return EngineStats(running=len(self._held), waiting=0,
                            kv_cache_usage=min(1.0, used / self.kv_capacity_tokens))
+
+
+def _token_id(piece: str) -> int:
+    """A word's (or output piece's) token id: a hash, as stable as a vocabulary."""
+    return int.from_bytes(hashlib.blake2b(piece.encode(), digest_size=4).digest(), "big") % 32000
 
 
 def _instance(schema: dict[str, Any], digest: bytes) -> Any:

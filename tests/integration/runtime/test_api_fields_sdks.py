@@ -1,6 +1,7 @@
 """Issue 15's response side through the official SDKs against a real runtime on the synthetic engine
 (deterministic, no model): n choices, logprobs, the matched stop sequence, JSON outputs, forced
-tool calls (OpenAI tool_calls, Anthropic tool_use blocks; whole and streamed), /v1/completions and
+tool calls (OpenAI tool_calls, Anthropic tool_use blocks; whole, and streamed in pieces as they are
+generated: the synthetic engine writes JSON four characters per token), /v1/completions and
 the 400 for an unknown field. The same families against real vLLM: test_api_fields_vllm.py."""
 
 from __future__ import annotations
@@ -78,12 +79,18 @@ async def test_json_schema_and_forced_tool_calls_openai(runtime):
         (call,) = called.choices[0].message.tool_calls
         assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "weather"
         assert set(json.loads(call.function.arguments)) == {"city"}
-        stream = await client.chat.completions.create(model="synthetic", messages=USER, max_tokens=50, tools=TOOLS,
-                                                      tool_choice="required", stream=True)
-        deltas = [c async for c in stream]
-        calls = [tc for c in deltas for ch in c.choices for tc in (ch.delta.tool_calls or [])]
-        assert [tc.function.name for tc in calls] == ["weather"]
-        assert deltas[-1].choices[0].finish_reason == "tool_calls"
+        # Streamed: the call's arguments arrive in pieces, as they are generated; the SDK's joined
+        # message is the non-streamed one.
+        async with client.chat.completions.stream(model="synthetic", messages=USER, max_tokens=50, tools=TOOLS,
+                                                  tool_choice="required") as stream:
+            chunks = [event.chunk.choices async for event in stream if event.type == "chunk"]
+            final = await stream.get_final_completion()
+        early = [c[0].delta.tool_calls[0].function.arguments for c in chunks
+                 if c and c[0].delta.tool_calls and c[0].finish_reason is None]
+        assert len([a for a in early if a]) >= 3  # argument pieces in separate chunks before the finish
+        (streamed,) = final.choices[0].message.tool_calls
+        assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+        assert final.choices[0].finish_reason == "tool_calls" and not final.choices[0].message.content
 
 
 async def test_forced_tool_use_anthropic(runtime):
@@ -94,9 +101,13 @@ async def test_forced_tool_use_anthropic(runtime):
         assert reply.stop_reason == "tool_use" and reply.content[0].type == "tool_use"
         assert set(reply.content[0].input) == {"city"}
         async with client.messages.stream(model="synthetic", messages=USER, max_tokens=50, tools=tools,
-                                          tool_choice={"type": "tool", "name": "weather"}) as stream:
+                                          tool_choice={"type": "any"}) as stream:
+            kinds = [event.type async for event in stream]
             final = await stream.get_final_message()
+        # input_json_delta fragments arrive one per generated piece, inside the tool_use block
+        assert kinds.count("input_json") >= 3 and kinds.index("input_json") < kinds.index("content_block_stop")
         assert final.stop_reason == "tool_use" and final.content[0].input == reply.content[0].input
+        assert [b.type for b in final.content] == ["tool_use"] and final.content[0].name == "weather"
 
 
 async def test_completions_and_unknown_fields(runtime):

@@ -243,7 +243,6 @@ def test_assembler_collects_n_choices_and_parses_forced_tool_calls():
 
     request = chat(n=2, tools=[WEATHER], tool_choice="required")
     assembler = Assembler(request, parse_forced)
-    assert assembler.buffers
     for delta in [Delta('[{"name":"weather",', 3, index=0), Delta("x", 1, index=1),
                   Delta('"parameters":{"city":"Oslo"}}]', 5, "stop", index=0), Delta("y", 1, "length", index=1)]:
         assembler.add(delta)
@@ -251,29 +250,66 @@ def test_assembler_collects_n_choices_and_parses_forced_tool_calls():
     assert (first.text, [c.name for c in first.tool_calls], first.tokens) == ("", ["weather"], 8)
     assert (second.text, second.tool_calls, second.finish) == ("xy", (), "length")  # cut short: text as it is
     plain = Assembler(chat(stop=["END"]), parse_forced)
-    plain.add(Delta("abc", 2, "stop", stop_sequence="END"))
-    assert not plain.buffers and plain.choices()[0].stop_sequence == "END"
+    delta = Delta("abc", 2, "stop", stop_sequence="END")
+    assert plain.add(delta) == (delta, ()) and plain.choices()[0].stop_sequence == "END"
 
 
-def test_anthropic_buffered_stream_sends_whole_tool_use_blocks():
-    choice = Choice(0, "let me check", "stop", 9, tool_calls=(ToolCall("tu_1", "weather", '{"city":"Oslo"}'),))
-    raw = anthropic.stream_start("m1", "m", 4, text_block=False) + anthropic.stream_close(choice, 4, 9, buffered=True)
+def test_assembler_streams_each_choices_tool_calls_as_they_are_found():
+    from zerolayer.runtime.api.common import Assembler
+    from zerolayer.runtime.engine.base import Delta, ToolCallPiece
+    from zerolayer.runtime.engine.tool_stream import ForcedCallStream
+    from zerolayer.runtime.engine.tools import parse_forced
+
+    assembler = Assembler(chat(n=2, tools=[WEATHER], tool_choice="required"), parse_forced, ForcedCallStream)
+    assert assembler.add(Delta('[{"name":"wea', 3, index=0)) is None  # nothing known yet
+    sent, (start,) = assembler.add(Delta('ther","parameters":{"ci', 3, index=0))
+    assert (sent.text, start.index, start.name, start.arguments) == ("", 0, "weather", '{"ci')
+    assert assembler.add(Delta('ty":"Oslo"}}]', 3, "stop", index=0))[1] == (ToolCallPiece(0, 'ty": "Oslo"}'),)
+    sent, calls = assembler.add(Delta("nope", 1, "length", index=1))  # never a call: its text, as unstreamed
+    assert (sent.index, sent.text, calls) == (1, "nope", ())
+    first, second = assembler.choices()
+    assert first.tool_calls[0].arguments == '{"city": "Oslo"}' and second.text == "nope"
+
+
+def test_anthropic_stream_opens_a_block_per_text_run_and_per_call():
+    from zerolayer.runtime.api.common import ContentBlocks
+    from zerolayer.runtime.engine.base import ToolCallPiece
+
+    blocks = ContentBlocks()
+    raw = anthropic.stream_start("m1", "m", 4, text_block=False)
+    raw += anthropic.stream_piece(blocks, "let me check", ())
+    raw += anthropic.stream_piece(blocks, "", (ToolCallPiece(0, '{"ci', "tu_1", "weather"),))
+    raw += anthropic.stream_piece(blocks, "", (ToolCallPiece(0, 'ty": "Oslo"}'), ToolCallPiece(1, "{}", "tu_2", "clock")))
+    choice = Choice(0, "let me check", "stop", 9, tool_calls=(ToolCall("tu_1", "weather", '{"city": "Oslo"}'),))
+    raw += anthropic.stream_close(choice, 4, 9, blocks)
     events = sse_events(raw)
     assert [name for name, _ in events] == [
         "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
     assert events[5][1]["content_block"] == {"type": "tool_use", "id": "tu_1", "name": "weather", "input": {}}
-    assert json.loads(events[6][1]["delta"]["partial_json"]) == {"city": "Oslo"}
-    assert events[8][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert "".join(e[1]["delta"]["partial_json"] for e in events[6:8]) == '{"city": "Oslo"}'
+    assert [e[1]["index"] for e in events[2:12] if "index" in e[1]] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert events[12][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    # An answer that opened no block still has its (empty) text block, as the non-streamed one.
+    empty = sse_events(anthropic.stream_close(Choice(0, "", "stop", 0), 1, 0, ContentBlocks()))
+    assert [name for name, _ in empty][:2] == ["content_block_start", "content_block_stop"]
 
 
-def test_openai_stream_close_per_choice_and_tool_call_deltas():
+def test_openai_tool_call_chunks_and_stream_close_per_choice():
+    from zerolayer.runtime.engine.base import Delta, ToolCallPiece
+
+    start = openai.stream_piece("c", 1, "m", Delta("", 1), calls=(ToolCallPiece(0, "", "call_1", "weather"),))
+    more = openai.stream_piece("c", 1, "m", Delta("", 1), calls=(ToolCallPiece(0, '{"city"'),))
+    (first,), (second,) = ([e["choices"][0]["delta"] for _, e in sse_events(r)] for r in (start, more))
+    assert first == {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                     "function": {"name": "weather", "arguments": ""}}]}
+    assert second == {"tool_calls": [{"index": 0, "function": {"arguments": '{"city"'}}]}
     calls = (ToolCall("call_1", "weather", "{}"),)
     raw = openai.stream_close("c", 1, "m", [Choice(0, "", "stop", 2, tool_calls=calls), Choice(1, "hi", "length", 2)],
-                              openai.usage(1, 4), include_usage=True, tool_use=ToolUse((), "required"), buffered=True)
+                              openai.usage(1, 4), include_usage=True, tool_use=ToolUse((), "required"))
     events = [data for _, data in sse_events(raw)]
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 4
-    assert events[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "weather"
     finishes = {e["choices"][0]["index"]: e["choices"][0]["finish_reason"] for e in events[:-2]
                 if e["choices"] and e["choices"][0]["finish_reason"]}
     assert finishes == {0: "tool_calls", 1: "length"}
