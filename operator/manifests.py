@@ -335,14 +335,15 @@ def _fetch_container(index: int, hf: Mapping[str, Any], image: str, pull: str) -
 
 
 def build_model_storage(spec: Mapping[str, Any], image: str, pull: str) -> ModelStorage:
-    """Volumes, server mounts and download containers for ``spec.models``.
+    """Volumes, server mounts and download containers for ``spec.models`` and their LoRA adapters
+    (:func:`zerolayer.models.weight_entries`: models first, then adapters, by index).
 
-    Each model's volume is ``model-<index>`` (hostPath ``Directory``, or the PVC read-only);
+    Each entry's volume is ``model-<index>`` (hostPath ``Directory``, or the PVC read-only);
     huggingFace models share the node cache volume and mount their own cache entry via
     ``subPath``. Every server mount is read-only. ``path`` sources need nothing.
     """
     storage = ModelStorage()
-    for index, model in enumerate(spec.get("models") or ()):
+    for index, model in enumerate(model_layout.weight_entries(spec)):
         source = model_layout.normalise_source(model.get("source"))
         kind = model_layout.source_kind(source)
         if kind == "path":
@@ -408,9 +409,9 @@ def fetch_progress(pod: Mapping[str, Any], fetches: set[str]) -> tuple[str, str,
 
 
 def model_claims(spec: Mapping[str, Any]) -> list[str]:
-    """PersistentVolumeClaims the models need, in spec order without repeats."""
+    """PersistentVolumeClaims the models and adapters need, in spec order without repeats."""
     claims: list[str] = []
-    for model in spec.get("models") or ():
+    for model in model_layout.weight_entries(spec):
         source = model_layout.normalise_source(model.get("source"))
         claim = (source.get("pvc") or {}).get("claimName")
         if claim and claim not in claims:
@@ -419,9 +420,9 @@ def model_claims(spec: Mapping[str, Any]) -> list[str]:
 
 
 def model_token_secrets(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(Secret name, key) of every huggingFace token the models need, without repeats."""
+    """(Secret name, key) of every huggingFace token the models and adapters need, without repeats."""
     refs: list[tuple[str, str]] = []
-    for model in spec.get("models") or ():
+    for model in model_layout.weight_entries(spec):
         source = model_layout.normalise_source(model.get("source"))
         ref = (source.get("huggingFace") or {}).get("tokenSecretRef") or {}
         if ref.get("name"):
@@ -769,7 +770,7 @@ def _egress_rules(spec: Mapping[str, Any], config: OperatorConfig) -> list[dict]
                       "ports": [{"protocol": "TCP", "port": _url_port(audit["clickhouseUrl"], 8123, 8443)}]})
     hubs = sorted({_url_port(model_layout.normalise_source(m.get("source"))["huggingFace"].get("endpoint")
                              or "https://hub", 80, 443)
-                   for m in spec.get("models") or ()
+                   for m in model_layout.weight_entries(spec)
                    if model_layout.source_kind(model_layout.normalise_source(m.get("source"))) == "huggingFace"})
     if hubs:
         rules.append({"to": _anywhere_but_link_local(), "ports": [{"protocol": "TCP", "port": p} for p in hubs]})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from zerolayer import engine_args
+from zerolayer import models as model_layout
 
 PRIORITIES = ("high", "normal", "low")
 
@@ -34,6 +35,7 @@ def inference_node_problems(spec: Mapping[str, Any]) -> list[str]:
             problems.append(f"model {m.get('name')!r} falls back to {lighter!r}, which this node does not serve")
         if lighter and lighter == m.get("name"):
             problems.append(f"model {m.get('name')!r} names itself as its lighter model")
+    problems += model_engine_problems(spec)
     sched = spec.get("scheduler") or {}
     resume, memory, normal = (sched.get(k) for k in ("resumeThreshold", "memoryThreshold", "normalThreshold"))
     if resume is not None and memory is not None and not resume < memory:
@@ -45,6 +47,28 @@ def inference_node_problems(spec: Mapping[str, Any]) -> list[str]:
     if heartbeat is not None and stale is not None and stale <= heartbeat:
         problems.append(f"gossip.staleAfterSeconds ({stale}) must exceed gossip.heartbeatSeconds ({heartbeat}), "
                         "or every node would look stale between two heartbeats")
+    return problems
+
+
+def model_engine_problems(spec: Mapping[str, Any]) -> list[str]:
+    """Several models and LoRA adapters: every served name (models and adapters) is unique, and the
+    models' ``gpus`` fit the pod's ``spec.runtime.gpus`` (:func:`zerolayer.models.gpu_plan`)."""
+    models = [m for m in spec.get("models") or () if isinstance(m, Mapping)]
+    problems = []
+    model_names = [m.get("name") for m in models]
+    adapters = [a.get("name") for m in models for a in m.get("loras") or () if isinstance(a, Mapping)]
+    served = model_names + adapters
+    repeated = sorted({str(n) for n in adapters if served.count(n) > 1})  # model repeats are reported above
+    if repeated:
+        problems.append(f"adapter names must differ from every other model and adapter name on the node, "
+                        f"repeated: {', '.join(repeated)}")
+    runtime = spec.get("runtime") or {}
+    if runtime.get("engine", "vllm") != "vllm":
+        return problems
+    try:
+        model_layout.gpu_plan(models, int(runtime.get("gpus", 1)))
+    except model_layout.GpuPlanError as exc:
+        problems.append(str(exc))
     return problems
 
 
@@ -61,22 +85,27 @@ def engine_args_problems(spec: Mapping[str, Any]) -> list[str]:
     Names are checked against vLLM's own (the list shipped in zerolayer/vllm_args.py: the operator
     never imports vLLM); a typo names the closest valid argument. A name a typed field also sets
     is refused (``gpuMemoryUtilization`` has a default, so ``gpu_memory_utilization`` always is),
-    and so is a parallel layout needing more GPUs than the pod requests.
+    and so is a parallel layout needing more GPUs than an engine gets. A model's ``toolCallParser``
+    that vLLM does not have is refused here too.
     """
     runtime = spec.get("runtime") or {}
+    parsers = [engine_args.tool_parser_problem(m.get("toolCallParser"), f"spec.models[{m.get('name')}].toolCallParser")
+               for m in spec.get("models") or () if isinstance(m, Mapping)]
+    problems = [p for p in parsers if p]
     args = runtime.get("engineArgs")
     if not args:
-        return []
+        return problems
     typed = {arg: f"spec.runtime.{field}" for field, arg in TYPED_ENGINE_FIELDS.items()
              if runtime.get(field) is not None}
     models = spec.get("models") or [{}]
-    model = next((m for m in models if m.get("default")), models[0])
-    if model.get("maxModelLen"):
-        typed["max_model_len"] = f"spec.models[{model.get('name')}].maxModelLen"
-    problems = engine_args.problems(args, "spec.runtime.engineArgs", typed)
+    for model in models:
+        if model.get("maxModelLen"):
+            typed["max_model_len"] = f"spec.models[{model.get('name')}].maxModelLen"
+    problems += engine_args.problems(args, "spec.runtime.engineArgs", typed)
     if problems or not isinstance(args, Mapping):
         return problems
-    gpus = max(1, int(runtime.get("gpus", 1)))
+    # Every engine takes engineArgs: the layout must fit the smallest engine's GPUs.
+    gpus = max(1, min([int(m["gpus"]) for m in models if m.get("gpus")] or [int(runtime.get("gpus", 1))]))
     layout = [args.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size")]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in layout):
         problems.append(f"spec.runtime.engineArgs: tensor_parallel_size and pipeline_parallel_size must be positive "

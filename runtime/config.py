@@ -172,7 +172,7 @@ def parse_engines(data: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     else:
         specs = [(_mapping(data.get("engine"), "engine") or {"kind": "synthetic"}, "engine")]
     served: dict[str, str] = {}
-    gpus: dict[int, str] = {}
+    gpus: dict[int, list[tuple[str, Mapping[str, Any]]]] = {}
     for spec, where in specs:
         kind = spec.get("kind", "synthetic")
         if kind not in ENGINE_KINDS:
@@ -184,16 +184,33 @@ def parse_engines(data: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
             names = [str(spec.get("served_name") or pathlib.Path(str(spec["model_path"])).name)]
             names += [a.name for a in lora_adapters(spec, where)]
             for device in engine_gpus(spec, where) or ():
-                if device in gpus:
-                    raise ConfigError(f"{where}.gpus: GPU {device} is also given to {gpus[device]}")
-                gpus[device] = where
+                gpus.setdefault(device, []).append((where, spec))
         else:
             names = [str(m) for m in spec.get("models") or ("synthetic",)]
         for name in names:
             if name in served:
                 raise ConfigError(f"{where}: model {name!r} is also served by {served[name]}")
             served[name] = where
+    for device, sharing in sorted(gpus.items()):
+        _check_sharing(device, sharing)
     return tuple(dict(spec) for spec, _ in specs)
+
+
+def _check_sharing(device: int, sharing: list[tuple[str, Mapping[str, Any]]]) -> None:
+    """Engines on one GPU must each be given a part of its memory, and the parts must fit: vLLM's
+    default fraction (0.9) for each would ask for more than the device has."""
+    if len(sharing) < 2:
+        return
+    fractions = 0.0
+    for where, spec in sharing:
+        if spec.get("gpu_memory_utilization") is None and spec.get("kv_cache_memory_bytes") is None:
+            others = ", ".join(w for w, _ in sharing if w != where)
+            raise ConfigError(f"{where}: shares GPU {device} with {others}; give each engine on it "
+                              "gpu_memory_utilization (their sum at most 1) or kv_cache_memory_bytes")
+        fractions += float(spec.get("gpu_memory_utilization") or 0.0)
+    if fractions > 1.0:
+        raise ConfigError(f"engines on GPU {device} ask for gpu_memory_utilization {fractions:g} in all; "
+                          "at most 1")
 
 
 def lora_adapters(spec: Mapping[str, Any], where: str):  # type: ignore[no-untyped-def]

@@ -58,11 +58,13 @@ class ClusterReadError(RuntimeServerError):
 def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The standalone-config mapping for this node, from its InferenceNode (``base`` fills the rest).
 
-    The engine serves one model: the one marked ``default``, else the first, loaded from the
-    path where the operator mounts its source (:func:`zerolayer.models.container_path`). The
-    scheduler's thresholds map onto its shedding marks; ``sampleIntervalMs`` onto the telemetry
-    period. ``tlsSecretName`` turns on TLS with the certificate the operator mounts at
-    :data:`TLS_DIR` (the probes then use HTTPS).
+    The vllm engine serves every model of ``spec.models``, the ``default`` one (else the first)
+    answering requests that name none: one model is ``engine:``, several are ``engines:`` (one vLLM
+    engine each, default first, on the GPUs :func:`zerolayer.models.gpu_plan` gives it). Weights
+    and LoRA adapters are loaded from where the operator mounts their sources
+    (:func:`zerolayer.models.container_path`). The scheduler's thresholds map onto its shedding
+    marks; ``sampleIntervalMs`` onto the telemetry period. ``tlsSecretName`` turns on TLS with the
+    certificate the operator mounts at :data:`TLS_DIR` (the probes then use HTTPS).
     """
     spec = inode.get("spec") or {}
     config: dict[str, Any] = {k: v for k, v in (base or {}).items()}
@@ -70,17 +72,23 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     models = spec.get("models") or []
     if not models:
         raise ConfigError(f"InferenceNode {inode.get('metadata', {}).get('name')}: spec.models is empty")
-    model = next((m for m in models if m.get("default")), models[0])
+    default = next((m for m in models if m.get("default")), models[0])
+    ordered = [default, *(m for m in models if m is not default)]
     kind = runtime.get("engine", "vllm")
+    config.pop("engine", None)
+    config.pop("engines", None)
     if kind == "synthetic":
-        engine: dict[str, Any] = {"kind": "synthetic", "models": [m["name"] for m in models]}
+        config["engine"] = {"kind": "synthetic", "models": [m["name"] for m in ordered]}
+    elif len(ordered) == 1 and not ordered[0].get("gpus"):
+        config["engine"] = vllm_model_engine(spec, ordered[0])  # the whole pod's GPUs
     else:
         try:
-            path = model_layout.container_path(model)
-        except model_layout.ModelSourceError as exc:
-            raise ConfigError(f"InferenceNode model {model.get('name')!r}: {exc}") from exc
-        engine = {"kind": "vllm", "model_path": path, "served_name": model["name"], **vllm_engine_settings(spec)}
-    config["engine"] = engine
+            plan = model_layout.gpu_plan(models, int(runtime.get("gpus", 1)))
+        except model_layout.GpuPlanError as exc:
+            raise ConfigError(f"InferenceNode models: {exc}") from exc
+        devices = {id(m): p for m, p in zip(models, plan)}
+        engines = [vllm_model_engine(spec, m, devices[id(m)]) for m in ordered]
+        config.update({"engine": engines[0]} if len(engines) == 1 else {"engines": engines})
     if "gpu" not in config:
         config["gpu"] = gpu_source_settings(runtime)
     listen = dict(config.get("listen") or {})
@@ -117,29 +125,60 @@ ENGINE_FIELDS = (("maxNumSeqs", "max_num_seqs"), ("maxNumBatchedTokens", "max_nu
                  ("enablePrefixCaching", "enable_prefix_caching"))
 
 
-def vllm_engine_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The vllm engine keys an InferenceNode's spec sets (model path and name aside).
+def vllm_model_engine(spec: Mapping[str, Any], model: Mapping[str, Any],
+                      plan: tuple[tuple[int, ...], int] | None = None) -> dict[str, Any]:
+    """The vllm engine mapping for one of ``spec.models``: its mounted weights, served name, tool-call
+    parser, LoRA adapters, the node's engine settings (:func:`vllm_engine_settings`) and, with
+    several models, its GPUs (``plan``: device indices and how many engines share them)."""
+    def path(entry: Mapping[str, Any], what: str) -> str:
+        try:
+            return model_layout.container_path(entry)
+        except model_layout.ModelSourceError as exc:
+            raise ConfigError(f"InferenceNode {what} {entry.get('name')!r}: {exc}") from exc
 
-    ``models[].maxModelLen`` of the served model -> ``max_model_len`` (unset: the model's own
-    limit); ``kvCacheBytes`` -> ``kv_cache_memory_bytes``, else ``gpuMemoryUtilization`` ->
-    ``gpu_memory_utilization`` (vLLM ignores the fraction when the size is fixed, so only one goes);
-    ``gpus`` -> ``tensor_parallel_size`` unless ``engineArgs`` sets it (0 GPUs: 1); the typed knobs
-    of :data:`ENGINE_FIELDS`; ``engineArgs`` -> ``engine_args`` unchanged (the runtime refuses a name
-    vLLM does not take, or one a typed field also sets, as the operator does at admission).
+    engine: dict[str, Any] = {"kind": "vllm", "model_path": path(model, "model"), "served_name": model["name"],
+                              **vllm_engine_settings(spec, model, plan)}
+    if model.get("toolCallParser"):
+        engine["tool_parser"] = model["toolCallParser"]
+    if model.get("loras"):
+        engine["loras"] = [{"name": a["name"], "path": path(a, "adapter")} for a in model["loras"]]
+    return engine
+
+
+def vllm_engine_settings(spec: Mapping[str, Any], model: Mapping[str, Any] | None = None,
+                         plan: tuple[tuple[int, ...], int] | None = None) -> dict[str, Any]:
+    """The vllm engine keys an InferenceNode's spec sets for ``model`` (default: the default model),
+    model path and name aside.
+
+    ``models[].maxModelLen`` -> ``max_model_len`` (unset: the model's own limit); ``kvCacheBytes``
+    -> ``kv_cache_memory_bytes``, else ``gpuMemoryUtilization`` -> ``gpu_memory_utilization``
+    (vLLM ignores the fraction when the size is fixed, so only one goes); ``tensor_parallel_size``
+    is the number of GPUs the engine sees unless ``engineArgs`` sets it (0 GPUs: 1); the typed
+    knobs of :data:`ENGINE_FIELDS`; ``engineArgs`` -> ``engine_args`` unchanged (the runtime refuses
+    a name vLLM does not take, or one a typed field also sets, as the operator does at admission).
+    With a ``plan`` (several models on GPUs) the engine gets ``gpus`` (its device indices), and
+    engines sharing devices split the memory fraction (default 0.9) equally.
     """
     runtime = spec.get("runtime") or {}
-    models = spec.get("models") or [{}]
-    model = next((m for m in models if m.get("default")), models[0])
+    if model is None:
+        models = spec.get("models") or [{}]
+        model = next((m for m in models if m.get("default")), models[0])
     engine_args = dict(runtime.get("engineArgs") or {})
     engine: dict[str, Any] = {}
     if model.get("maxModelLen"):
         engine["max_model_len"] = int(model["maxModelLen"])
+    devices, sharing = plan if plan is not None else ((), 1)
     if runtime.get("kvCacheBytes"):
         engine["kv_cache_memory_bytes"] = int(runtime["kvCacheBytes"])
-    elif runtime.get("gpuMemoryUtilization") is not None:
-        engine["gpu_memory_utilization"] = float(runtime["gpuMemoryUtilization"])
+    elif runtime.get("gpuMemoryUtilization") is not None or sharing > 1:
+        from zerolayer.runtime.engine.vllm_engine import VllmSettings
+
+        fraction = float(runtime.get("gpuMemoryUtilization") or VllmSettings.DEFAULT_GPU_MEMORY_UTILIZATION)
+        engine["gpu_memory_utilization"] = round(fraction / sharing, 4)
+    if devices:
+        engine["gpus"] = list(devices)
     if "tensor_parallel_size" not in engine_args:
-        engine["tensor_parallel_size"] = max(1, int(runtime.get("gpus", 1)))
+        engine["tensor_parallel_size"] = len(devices) if devices else max(1, int(runtime.get("gpus", 1)))
     for theirs, ours in ENGINE_FIELDS:
         if runtime.get(theirs) is not None:
             engine[ours] = runtime[theirs]

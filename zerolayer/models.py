@@ -81,3 +81,46 @@ def cache_entry(repo: str, revision: str | None) -> str:
     """Relative path of one repository revision's snapshot inside the node cache:
     ``<org>--<name>/<revision>`` (the hub's own ``--`` separator), each part made safe."""
     return f"{safe_component(repo.replace('/', '--'))}/{safe_component(revision or DEFAULT_REVISION)}"
+
+
+def weight_entries(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Everything with weights to mount for an InferenceNode spec: its models, then every model's
+    LoRA adapters (``models[].loras[]``, each ``{name, source}`` like a model). Adapters come after
+    all models so a model's index (its volume and download container names) does not move when
+    adapters are added. Names are unique across the list (checked at admission), so every entry
+    has its own :func:`container_path`."""
+    models = [m for m in spec.get("models") or () if isinstance(m, Mapping)]
+    return [*models, *(a for m in models for a in m.get("loras") or () if isinstance(a, Mapping))]
+
+
+class GpuPlanError(ValueError):
+    """The models' ``gpus`` do not fit the pod's GPUs."""
+
+
+def gpu_plan(models: list[Mapping[str, Any]], gpus: int) -> list[tuple[tuple[int, ...], int]]:
+    """Which GPUs each model's engine sees, as ``(device indices, engines sharing them)`` per model.
+
+    A model that sets ``gpus: n`` gets the next ``n`` of the pod's ``gpus`` devices to itself, in
+    list order. The models that set none share the devices left over (each engine then takes an
+    equal part of the GPU memory fraction). Without GPUs (``gpus`` 0) every engine runs on the CPU:
+    ``((), 1)`` each.
+    """
+    if gpus <= 0:
+        return [((), 1) for _ in models]
+    plan: list[tuple[tuple[int, ...], int] | None] = []
+    taken = 0
+    for model in models:
+        asked = model.get("gpus")
+        if asked:
+            plan.append((tuple(range(taken, taken + int(asked))), 1))
+            taken += int(asked)
+        else:
+            plan.append(None)
+    if taken > gpus:
+        raise GpuPlanError(f"the models' gpus add up to {taken}, but the pod gets {gpus} (spec.runtime.gpus)")
+    sharers = [str(m.get("name")) for m, p in zip(models, plan) if p is None]
+    rest = tuple(range(taken, gpus))
+    if sharers and not rest:
+        raise GpuPlanError(f"no GPU is left for {', '.join(sharers)}: the other models take all {gpus} "
+                           "(give these models gpus, or the pod more)")
+    return [p if p is not None else (rest, len(sharers)) for p in plan]

@@ -26,7 +26,8 @@ def build_publisher(name: str, sink: StatusSink, *, engine: Any, draining: Calla
                     on_spec: Any = None) -> GossipPublisher:
     """A publisher (not started) for node ``name``: readings from ``recording`` (the server's GPU
     source, wrapped by whoever built the server), load from ``engine.stats()`` and ``draining()``,
-    fragmentation from the CUDA allocator when torch uses a GPU. The caller wakes it after each
+    fragmentation from the CUDA allocator when torch uses a GPU; the served names (``models``,
+    adapters included) from ``engine.models``. The caller wakes it after each
     sample (``publisher.notify``) and sets ``publisher.state.endpoint`` once the port is known.
     """
     from zerolayer.runtime.defrag.fragmentation import allocator_fragmentation
@@ -39,7 +40,7 @@ def build_publisher(name: str, sink: StatusSink, *, engine: Any, draining: Calla
         return Load(stats.running, stats.waiting, stats.kv_cache_usage, bool(draining()))
 
     return GossipPublisher(
-        name, sink, readings=readings, load=load, endpoint=endpoint,
+        name, sink, readings=readings, load=load, endpoint=endpoint, models=tuple(engine.models),
         fragmentation=allocator_fragmentation, sample_seq=(lambda: recording.seq) if recording else None,
         tick_s=tick_s, on_spec=on_spec,
     )

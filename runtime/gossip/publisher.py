@@ -102,7 +102,7 @@ class GossipPublisher:
     """
 
     def __init__(self, name: str, sink: StatusSink, *, readings: Callable[[], Sequence[GpuReading] | None],
-                 load: Callable[[], Load], endpoint: str | None = None,
+                 load: Callable[[], Load], endpoint: str | None = None, models: Sequence[str] = (),
                  fragmentation: Callable[[], Mapping[int, float]] | None = None,
                  sample_seq: Callable[[], int] | None = None, settings: GossipSettings | None = None,
                  on_spec: Callable[[Mapping[str, Any]], None] | None = None,
@@ -116,7 +116,7 @@ class GossipPublisher:
         self._sample_seq = sample_seq
         self._fixed_settings = settings is not None
         self._on_spec = on_spec
-        self.state = GossipState(settings, endpoint=endpoint)
+        self.state = GossipState(settings, endpoint=endpoint, models=models)
         self.tick_s = tick_s
         self._clock = clock
         self._wall = wall

@@ -122,11 +122,13 @@ def gpu_status(r: GpuReading, admitting: bool, fragmentation: float | None) -> d
 
 def build_status(readings: Sequence[GpuReading], gpu_admitting: Mapping[str, bool], load: Load, *,
                  endpoint: str | None, heartbeat: float,
-                 fragmentation: Mapping[int, float] | None = None) -> dict[str, Any]:
+                 fragmentation: Mapping[int, float] | None = None, models: Sequence[str] = ()) -> dict[str, Any]:
     """The ``status`` fields the runtime owns (never ``phase`` or ``conditions``: the operator's).
 
     ``heartbeat`` is Unix seconds. ``fragmentation`` maps GPU index to the runtime's own measure
     (reserved-but-unallocated / reserved, see docs/defragd.md) for sources that cannot see it.
+    ``models``: every name the runtime serves (base models, then LoRA adapters), so clients route
+    by model to nodes that really serve it.
     """
     fragmentation = fragmentation or {}
     gpus = [gpu_status(r, gpu_admitting.get(r.uuid, True), fragmentation.get(r.index)) for r in readings]
@@ -145,6 +147,8 @@ def build_status(readings: Sequence[GpuReading], gpu_admitting: Mapping[str, boo
     }
     if endpoint:
         status["endpoint"] = endpoint
+    if models:
+        status["models"] = list(models)
     return status
 
 
@@ -188,9 +192,11 @@ class GossipState:
     Times are monotonic seconds except ``wall`` (Unix seconds, for the heartbeat stamp).
     """
 
-    def __init__(self, settings: GossipSettings | None = None, *, endpoint: str | None = None) -> None:
+    def __init__(self, settings: GossipSettings | None = None, *, endpoint: str | None = None,
+                 models: Sequence[str] = ()) -> None:
         self.settings = settings or GossipSettings()
         self.endpoint = endpoint
+        self.models = tuple(models)
         self.admission = GpuAdmission()
         self.last_status: dict[str, Any] | None = None
         self.last_published_at: float | None = None
@@ -209,7 +215,7 @@ class GossipState:
              fragmentation: Mapping[int, float] | None = None) -> Plan | None:
         admitting = self.admission.update(readings, self.settings)
         status = build_status(readings, admitting, load, endpoint=self.endpoint, heartbeat=wall,
-                              fragmentation=fragmentation)
+                              fragmentation=fragmentation, models=self.models)
         reason = change_reason(self.last_status, status, self.settings)
         if reason is None and self.last_published_at is not None \
                 and now - self.last_published_at >= self.settings.heartbeat_s:

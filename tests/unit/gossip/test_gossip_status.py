@@ -42,6 +42,17 @@ def test_build_status_fields_match_the_crd():
                   "temperatureC": 61.0, "fragmentation": 0.125, "nvlinkErrors": 0}
     assert "fragmentation" not in g1 and "powerWatts" not in g1 and g1["admitting"] is False
     assert "phase" not in status and "conditions" not in status  # the operator's fields
+    assert "models" not in status  # a runtime that does not say what it serves publishes nothing there
+
+
+def test_status_lists_the_served_models_adapters_included():
+    from zerolayer.client.nodes import node_from_status
+
+    status = build_status([reading(0.5)], {}, Load(0, 0, 0.0), endpoint="http://n:8443", heartbeat=0.0,
+                          models=("base", "base-sql", "other"))
+    assert status["models"] == ["base", "base-sql", "other"]
+    node = node_from_status("n", status, spec={"models": [{"name": "base"}]})  # the published list wins
+    assert node is not None and node.serves("base-sql") and not node.serves("gone")
 
 
 def test_draining_or_every_gpu_full_means_not_admitting():

@@ -10,6 +10,7 @@ import pytest
 
 from zerolayer.contract import Priority
 from zerolayer.runtime.config import parse_config
+from zerolayer.runtime.errors import ConfigError
 from zerolayer.runtime.incluster import TenantSync, config_from_inferencenode, published_entries, tenants_from_quotas
 from zerolayer.runtime.tenants import key_hash
 
@@ -36,13 +37,48 @@ def test_inferencenode_becomes_a_valid_config():
                  scheduler={"memoryThreshold": 0.9, "normalThreshold": 0.96, "resumeThreshold": 0.85,
                             "sampleIntervalMs": 100})
     mapping = config_from_inferencenode(node)
-    assert mapping["engine"] == {"kind": "vllm", "model_path": "/models/b", "served_name": "big",
-                                 "max_model_len": 4096, "kv_cache_memory_bytes": 1 << 28, "tensor_parallel_size": 1}
+    # Every model is served, one engine each, the default first; both share the pod's one GPU.
+    assert mapping["engines"] == [
+        {"kind": "vllm", "model_path": "/models/b", "served_name": "big", "max_model_len": 4096,
+         "kv_cache_memory_bytes": 1 << 28, "gpus": [0], "tensor_parallel_size": 1},
+        {"kind": "vllm", "model_path": "/models/s", "served_name": "small",
+         "kv_cache_memory_bytes": 1 << 28, "gpus": [0], "tensor_parallel_size": 1}]
+    assert "engine" not in mapping
     assert mapping["gpu"] == {"source": "auto", "kv_cache_bytes": 1 << 28}
     assert mapping["listen"] == {"host": "0.0.0.0", "port": 9443}
     assert mapping["scheduler"]["low_shed_at"] == 0.9 and mapping["scheduler"]["normal_resume_below"] == pytest.approx(0.91)
     config = parse_config(mapping, base_dir=None, environ={})  # type: ignore[arg-type]
     assert config.sample_interval_s == 0.1 and config.limits.drain_timeout_s == 60
+
+
+def test_models_get_their_own_gpus_and_share_the_rest():
+    models = [{"name": "a", "source": "/w/a", "gpus": 2}, {"name": "b", "source": "/w/b", "default": True},
+              {"name": "c", "source": "/w/c"}]
+    mapping = config_from_inferencenode(inode(models=models, runtime={"engine": "vllm", "gpus": 4}))
+    by_name = {e["served_name"]: e for e in mapping["engines"]}
+    assert [e["served_name"] for e in mapping["engines"]] == ["b", "a", "c"]  # the default answers unnamed requests
+    assert by_name["a"]["gpus"] == [0, 1] and by_name["a"]["tensor_parallel_size"] == 2
+    assert "gpu_memory_utilization" not in by_name["a"]  # alone on its GPUs: vLLM's default fraction
+    for shared in ("b", "c"):  # the two left over, shared: half the memory fraction each
+        assert by_name[shared]["gpus"] == [2, 3] and by_name[shared]["tensor_parallel_size"] == 2
+        assert by_name[shared]["gpu_memory_utilization"] == 0.45
+    config = parse_config(mapping, base_dir=None, environ={})  # type: ignore[arg-type]
+    assert [e["served_name"] for e in config.engines] == ["b", "a", "c"]
+
+
+def test_models_that_take_every_gpu_leave_none_to_share():
+    models = [{"name": "a", "source": "/w/a", "gpus": 1}, {"name": "b", "source": "/w/b"}]
+    with pytest.raises(ConfigError, match="no GPU is left for b"):
+        config_from_inferencenode(inode(models=models, runtime={"engine": "vllm", "gpus": 1}))
+
+
+def test_adapters_and_the_tool_parser_reach_the_engine():
+    model = {"name": "m", "source": {"hostPath": {"path": "/w/m"}}, "toolCallParser": "hermes",
+             "loras": [{"name": "m-sql", "source": {"pvc": {"claimName": "adapters", "subPath": "sql"}}},
+                       {"name": "m-chat", "source": {"path": "/baked/chat"}}]}
+    engine = config_from_inferencenode(inode(models=[model], runtime={"engine": "vllm"}))["engine"]
+    assert engine["tool_parser"] == "hermes"
+    assert engine["loras"] == [{"name": "m-sql", "path": "/models/m-sql"}, {"name": "m-chat", "path": "/baked/chat"}]
 
 
 def test_synthetic_node_serves_every_model_name():
