@@ -311,6 +311,87 @@ async def test_anthropic_tool_use_and_tool_result(ant):
     assert followup.stop_reason in ("end_turn", "max_tokens")
 
 
+# ---------------------------------------------------------------- tool calls streamed as they are generated
+
+async def openai_stream(oai, **request):  # type: ignore[no-untyped-def]
+    """The chunks' first choices (as the SDK's stream helper yields them) and its joined completion."""
+    async with oai.chat.completions.stream(**request) as stream:
+        chunks = [event.chunk.choices[0] async for event in stream if event.type == "chunk" and event.chunk.choices]
+        final = await stream.get_final_completion()
+    return chunks, final
+
+
+def argument_chunks(chunks) -> list[str]:  # type: ignore[no-untyped-def]
+    """The argument pieces that arrived before the finish chunk, one entry per chunk."""
+    return [c.delta.tool_calls[0].function.arguments for c in chunks
+            if c.delta.tool_calls and c.finish_reason is None and c.delta.tool_calls[0].function.arguments]
+
+
+async def test_openai_forced_tool_call_streams_its_arguments_in_pieces(oai):
+    # One tool, so "required" is a call of it; seeded, so streamed and whole are the same output.
+    request = dict(model=MODEL, messages=USER, max_tokens=80, tools=OPENAI_TOOLS[:1], tool_choice="required",
+                   parallel_tool_calls=False, seed=5)
+    whole = await oai.chat.completions.create(**request)
+    chunks, final = await openai_stream(oai, **request)
+    (call,) = whole.choices[0].message.tool_calls
+    (streamed,) = final.choices[0].message.tool_calls
+    first = next(c.delta.tool_calls[0] for c in chunks if c.delta.tool_calls)
+    assert (first.id, first.type, first.function.name) == (streamed.id, "function", "weather")
+    assert len(argument_chunks(chunks)) >= 3  # one piece per generated token, not the call whole at the end
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert final.choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
+    # A named function: finish_reason "stop" (as OpenAI says it), arguments in pieces all the same.
+    named = dict(request, tool_choice={"type": "function", "function": {"name": "weather"}})
+    whole = await oai.chat.completions.create(**named)
+    chunks, final = await openai_stream(oai, **named)
+    assert len(argument_chunks(chunks)) >= 3 and final.choices[0].finish_reason == "stop"
+    assert final.choices[0].message.tool_calls[0].function.arguments == \
+        whole.choices[0].message.tool_calls[0].function.arguments
+
+
+async def test_openai_auto_tool_calls_stream_through_vllms_parser(oai):
+    # The model's own text (random weights call nothing) streams as content deltas, as it comes.
+    # (The SDK's stream helper refuses to join an answer cut at max_tokens: the chunks are joined here.)
+    plain = dict(model=MODEL, messages=USER, max_tokens=12, tools=OPENAI_TOOLS, seed=11)
+    whole = await oai.chat.completions.create(**plain)
+    chunks = [c.choices[0] async for c in await oai.chat.completions.create(**plain, stream=True) if c.choices]
+    texts = [c.delta.content for c in chunks if c.delta.content]
+    assert len(texts) >= 3 and not any(c.delta.tool_calls for c in chunks)
+    assert "".join(texts) == whole.choices[0].message.content and whole.choices[0].message.tool_calls is None
+    # Output forced into xlam's format is a call to vLLM's xlam parser, streamed as that parser streams
+    # it: the name once read, then "{", then the rest of the arguments once the object closes.
+    xlam = {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+        "type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+        "properties": {"name": {"enum": ["weather"]}, "arguments": WEATHER_SCHEMA}}}
+    called = dict(model=MODEL, messages=USER, max_tokens=80, tools=OPENAI_TOOLS, tool_choice="auto", seed=5,
+                  response_format={"type": "json_schema", "json_schema": {"name": "calls", "schema": xlam}})
+    whole = await oai.chat.completions.create(**called)
+    chunks, final = await openai_stream(oai, **called)
+    named = [c for c in chunks if c.delta.tool_calls and c.delta.tool_calls[0].function.name]
+    assert named and named[0].finish_reason is None and argument_chunks(chunks)
+    (call,), (streamed,) = whole.choices[0].message.tool_calls, final.choices[0].message.tool_calls
+    # xlam streams the arguments' raw text and returns json.dumps of them whole: equal as JSON.
+    assert streamed.function.name == call.function.name == "weather"
+    assert json.loads(streamed.function.arguments) == json.loads(call.function.arguments)
+    assert final.choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
+
+
+async def test_anthropic_tool_use_streams_input_json_deltas(ant):
+    request = dict(model=MODEL, messages=USER, max_tokens=60, tools=ANTHROPIC_TOOLS, metadata={"seed": 5},
+                   tool_choice={"type": "tool", "name": "weather"})
+    whole = await ant.messages.create(**request)
+    async with ant.messages.stream(**request) as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_message()
+    kinds = [e.type for e in events]
+    start = next(e for e in events if e.type == "content_block_start")
+    assert (start.content_block.type, start.content_block.name, start.content_block.input) == ("tool_use", "weather", {})
+    pieces = [e.partial_json for e in events if e.type == "input_json"]
+    assert len(pieces) >= 3 and kinds.index("content_block_stop") > kinds.index("input_json")
+    assert final.stop_reason == whole.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in final.content] == [(b.type, b.name, b.input) for b in whole.content]
+
+
 # ---------------------------------------------------------------- prefill and /v1/completions
 
 async def test_anthropic_prefill_is_continued(ant, tokenizer):
