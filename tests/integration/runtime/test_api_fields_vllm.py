@@ -14,12 +14,18 @@ tests never judge what the text says. They check what the engine is made to do w
 - the prompt: a prefill is continued (the prompt is the template rendered with
   ``continue_final_message``, token for token), a template error is a 400.
 
+Streaming tool calls: forced calls stream their arguments one piece per generated token whatever
+the weights, and the SDKs' joined streamed message equals the non-streamed answer to the same seeded
+request (a seed makes vLLM's sampling repeat).
+
 What they cannot show: that the model *chooses* to call a tool (``tool_choice: auto`` needs a model
-trained for a tool-call format). The auto path still runs for real: the engine has vLLM's ``xlam``
-parser (no special tokens needed), random weights write text (no call), and output forced into xlam's
-format by a JSON schema is read back by that parser as a call. Nor can they show that penalties change
-the text in a meaningful way (they are checked to be accepted and passed on;
-tests/unit/runtime/test_api_fields_engine.py checks they reach SamplingParams).
+trained for a tool-call format). The auto path still runs for real: the engine has vLLM's
+``llama3_json`` parser (it needs ``<|python_tag|>`` in the vocabulary: the test copy of the tokenizer
+renames its unused ``<|eos|>`` token so, with no new embedding row), random weights write text (no
+call), and output forced into that parser's format (``{"name": ..., "parameters": {...}}``) by a JSON
+schema is read back by it as a call, whole and streamed (the parser streams arguments piece by piece).
+Nor can they show that penalties change the text in a meaningful way (they are checked to be accepted
+and passed on; tests/unit/runtime/test_api_fields_engine.py checks they reach SamplingParams).
 """
 
 from __future__ import annotations
@@ -80,6 +86,9 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": "weather", "descriptio
                                                   "parameters": {"type": "object", "properties": {},
                                                                  "additionalProperties": False}}}]
 ANTHROPIC_TOOLS = [{"name": "weather", "description": "the weather", "input_schema": WEATHER_SCHEMA}]
+# A call in llama3_json's format, as a JSON schema: what the auto path's parser reads as a call.
+LLAMA3_CALL = {"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
+               "properties": {"name": {"enum": ["weather"]}, "parameters": WEATHER_SCHEMA}}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +99,11 @@ def model_dir(tmp_path_factory) -> pathlib.Path:
     target = tmp_path_factory.mktemp("models") / MODEL
     shutil.copytree(source, target)
     (target / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    # llama3_json looks its start token up in the vocabulary; the tiny tokenizer's <|eos|> is never used
+    # (<|eot|> ends turns), so it is renamed rather than a token (and an embedding row) added.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = target / name
+        path.write_text(path.read_text().replace("<|eos|>", "<|python_tag|>"))
     return target
 
 
@@ -119,10 +133,11 @@ async def server(model_dir) -> AsyncIterator:
 async def _serve(VllmEngine, model_dir) -> AsyncIterator:  # type: ignore[no-untyped-def]
     # Compact JSON: with free whitespace allowed, random weights loop on whitespace inside JSON.
     structured = {"backend": "xgrammar", "disable_any_whitespace": True}
-    # xlam: a vLLM tool-call parser that needs no special tokens (it reads a JSON list of calls).
+    # llama3_json: a vLLM tool-call parser that reads a JSON object {"name", "parameters"} (its start
+    # token is optional in the output) and streams the arguments piece by piece.
     engine = VllmEngine(str(model_dir), served_name=MODEL, max_model_len=1024, max_num_seqs=8,
                         kv_cache_memory_bytes=64 * 1024 * 1024, enforce_eager=True, dtype="float32",
-                        engine_args={"structured_outputs_config": structured}, tool_parser="xlam")
+                        engine_args={"structured_outputs_config": structured}, tool_parser="llama3_json")
     async with start_runtime(engine=engine, sample_interval_s=0.05) as running:
         yield running
 
@@ -281,13 +296,10 @@ async def test_tool_choice_auto_goes_through_vllms_parser(oai):
     # The model decides: random weights write no call, so the answer is text.
     plain = await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, tools=OPENAI_TOOLS)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
-    # Output forced into xlam's format (a JSON list of calls) is read back by vLLM's parser as a call.
-    xlam = {"type": "array", "minItems": 1, "maxItems": 1, "items": {
-        "type": "object", "required": ["name", "arguments"], "additionalProperties": False,
-        "properties": {"name": {"enum": ["weather"]}, "arguments": WEATHER_SCHEMA}}}
+    # Output forced into llama3_json's format is read back by vLLM's parser as a call.
     called = await oai.chat.completions.create(
         model=MODEL, messages=USER, max_tokens=80, tools=OPENAI_TOOLS, tool_choice="auto",
-        response_format={"type": "json_schema", "json_schema": {"name": "calls", "schema": xlam}})
+        response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": LLAMA3_CALL}})
     (call,) = called.choices[0].message.tool_calls
     assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "weather"
     assert set(json.loads(call.function.arguments)) == {"city", "unit"}
@@ -358,21 +370,16 @@ async def test_openai_auto_tool_calls_stream_through_vllms_parser(oai):
     texts = [c.delta.content for c in chunks if c.delta.content]
     assert len(texts) >= 3 and not any(c.delta.tool_calls for c in chunks)
     assert "".join(texts) == whole.choices[0].message.content and whole.choices[0].message.tool_calls is None
-    # Output forced into xlam's format is a call to vLLM's xlam parser, streamed as that parser streams
-    # it: the name once read, then "{", then the rest of the arguments once the object closes.
-    xlam = {"type": "array", "minItems": 1, "maxItems": 1, "items": {
-        "type": "object", "required": ["name", "arguments"], "additionalProperties": False,
-        "properties": {"name": {"enum": ["weather"]}, "arguments": WEATHER_SCHEMA}}}
+    # Output forced into llama3_json's format is a call to vLLM's parser, streamed as that parser
+    # streams it: the name once read, then the arguments piece by piece.
     called = dict(model=MODEL, messages=USER, max_tokens=80, tools=OPENAI_TOOLS, tool_choice="auto", seed=5,
-                  response_format={"type": "json_schema", "json_schema": {"name": "calls", "schema": xlam}})
+                  response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": LLAMA3_CALL}})
     whole = await oai.chat.completions.create(**called)
     chunks, final = await openai_stream(oai, **called)
     named = [c for c in chunks if c.delta.tool_calls and c.delta.tool_calls[0].function.name]
-    assert named and named[0].finish_reason is None and argument_chunks(chunks)
+    assert named and named[0].finish_reason is None and len(argument_chunks(chunks)) >= 3
     (call,), (streamed,) = whole.choices[0].message.tool_calls, final.choices[0].message.tool_calls
-    # xlam streams the arguments' raw text and returns json.dumps of them whole: equal as JSON.
-    assert streamed.function.name == call.function.name == "weather"
-    assert json.loads(streamed.function.arguments) == json.loads(call.function.arguments)
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
     assert final.choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
 
 
