@@ -19,6 +19,7 @@ from zerolayer.runtime.engine.base import (
     Prompt,
     SamplingOptions,
     ToolCall,
+    ToolCallStream,
     ToolSpec,
     ToolUse,
 )
@@ -106,6 +107,9 @@ class ModelRouter:
 
     def parse_tool_calls(self, text: str, tools: ToolUse) -> tuple[str, tuple[ToolCall, ...]]:
         raise EngineError("several engines: parse tool calls with the model's engine (for_model)")
+
+    def tool_call_stream(self, tools: ToolUse) -> ToolCallStream:
+        raise EngineError("several engines: stream tool calls with the model's engine (for_model)")
 
     def generate(self, prompt: Prompt, options: SamplingOptions, request_id: str,
                  priority: int) -> AsyncIterator[Delta]:
