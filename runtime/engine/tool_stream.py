@@ -108,7 +108,7 @@ class JsonEcho:
         """Take one character inside a string (its closing quote ends it)."""
         if self._escape:
             self._pending.append(ch)
-            self._escape = 4 if self._escape == -1 and ch == "u" else self._escape - 1 if self._escape > 0 else 0
+            self._escape = (4 if ch == "u" else 0) if self._escape == -1 else self._escape - 1  # \uXXXX: 4 more
         elif ch == "\\":
             self._pending.append(ch)
             self._escape = -1
@@ -224,7 +224,7 @@ class ForcedCallStream:
             return
         if not self._started:
             self._started = True
-            pieces.append(ToolCallPiece(0, out, self._new_id(), forced._named(self.use).name))
+            pieces.append(ToolCallPiece(0, out, self._new_id(), forced.named_tool(self.use).name))
         else:
             pieces.append(ToolCallPiece(0, out))
 

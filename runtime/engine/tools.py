@@ -29,7 +29,7 @@ def _parameters(tool: ToolSpec) -> dict[str, Any]:
 def forced_schema(use: ToolUse) -> dict[str, Any]:
     """The JSON Schema a forced choice constrains the output to (vLLM's own shapes)."""
     if use.choice == "function":
-        return _parameters(_named(use))
+        return _parameters(named_tool(use))
     if use.choice != "required":
         raise ValueError(f"tool choice {use.choice!r} is not a forced one")
     items = [{"type": "object",
@@ -41,7 +41,8 @@ def forced_schema(use: ToolUse) -> dict[str, Any]:
     return schema
 
 
-def _named(use: ToolUse) -> ToolSpec:
+def named_tool(use: ToolUse) -> ToolSpec:
+    """The tool a named forced choice (``"function"``) calls; :class:`InputRejected` if none is so named."""
     for tool in use.tools:
         if tool.name == use.function:
             return tool
@@ -62,7 +63,7 @@ def parse_forced(text: str, use: ToolUse) -> tuple[str, tuple[ToolCall, ...]]:
     if use.choice == "function":
         if not isinstance(value, dict):
             return text, ()
-        return "", (ToolCall(call_id(), _named(use).name, json.dumps(value, ensure_ascii=False)),)
+        return "", (ToolCall(call_id(), named_tool(use).name, json.dumps(value, ensure_ascii=False)),)
     if not isinstance(value, list) or not all(
             isinstance(v, dict) and isinstance(v.get("name"), str) for v in value):
         return text, ()

@@ -8,6 +8,8 @@ import json
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zerolayer.runtime.engine import tools as forced
 from zerolayer.runtime.engine.base import Delta, ToolCallPiece, ToolSpec, ToolUse
@@ -54,6 +56,40 @@ def test_json_echo_writes_what_json_dumps_writes_whatever_the_cuts(text):
     for pieces in splits(text):
         assert echo(pieces) == whole, pieces
     assert echo(list(text)) == whole
+
+
+# Any JSON a structured output can produce, written any way a model may write it (escaped or not, with
+# free whitespace), cut anywhere: the echo always writes what json.dumps writes.
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+OBJECTS = st.dictionaries(st.text(max_size=8), JSON, max_size=4)
+STYLE = st.fixed_dictionaries({"ensure_ascii": st.booleans(), "indent": st.sampled_from([None, 0, 1]),
+                               "separators": st.sampled_from([(",", ":"), (", ", ": "), (" ,", " : ")])})
+
+
+def cuts(text: str, at: list[int]) -> list[str]:
+    points = sorted({min(a, len(text)) for a in at})
+    return [text[i:j] for i, j in zip([0, *points], [*points, len(text)])]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(value=JSON, style=STYLE, at=st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+def test_json_echo_property(value, style, at):
+    text = json.dumps(value, **style)
+    assert echo(cuts(text, at)) == json.dumps(value, ensure_ascii=False)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(arguments=st.lists(OBJECTS, min_size=1, max_size=3), style=STYLE,
+       at=st.lists(st.integers(min_value=0, max_value=600), max_size=12))
+def test_forced_scanner_property(arguments, style, at):
+    calls = [{"name": "weather" if i % 2 else "clock", "parameters": a} for i, a in enumerate(arguments)]
+    text = json.dumps(calls, **style)
+    assert stream(REQUIRED, cuts(text, at))[:2] == parsed(REQUIRED, text)
+    text = json.dumps(arguments[0], **style)
+    assert stream(NAMED, cuts(text, at))[:2] == parsed(NAMED, text)
 
 
 def test_json_echo_says_where_the_value_ends():
