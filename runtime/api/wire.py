@@ -6,7 +6,9 @@ stream, and errors (before response headers: a JSON body; mid-stream: an SSE err
 The implementations are :data:`zerolayer.runtime.api.anthropic_wire.ANTHROPIC` (``/v1/messages``)
 and :data:`zerolayer.runtime.api.openai_wire.OPENAI` (``/v1/chat/completions``). They are
 stateless; one stream's constant parts (id, model, creation time, options) travel in a
-:class:`StreamFrame` so the per-chunk call formats only what changes.
+:class:`StreamFrame` so the per-chunk call formats only what changes, and so does the one thing a
+stream's events depend on that came before: the content blocks it opened
+(:class:`~zerolayer.runtime.api.common.ContentBlocks`, Anthropic's block numbering).
 
 A new response field goes into the implementation (and the format module it calls); a new
 API is a new implementation plus a route in :mod:`zerolayer.runtime.gate`. Nothing here
@@ -37,7 +39,7 @@ class StreamFrame:
 
 
 class WireApi(Protocol):
-    """A chat API's wire format. Implementations are stateless and never block."""
+    """A chat API's wire format. Implementations are stateless (a stream's state is its frame's) and never block."""
 
     name: str  # "anthropic" | "openai": metrics labels and logs
     id_prefix: str  # request ids are ``{id_prefix}_{hex}``
