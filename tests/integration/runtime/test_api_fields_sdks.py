@@ -93,6 +93,23 @@ async def test_json_schema_and_forced_tool_calls_openai(runtime):
         assert final.choices[0].finish_reason == "tool_calls" and not final.choices[0].message.content
 
 
+async def test_streamed_tool_calls_of_n_choices_join_per_choice(runtime):
+    tools = [*TOOLS, {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
+    request = dict(model="synthetic", messages=USER, max_tokens=50, tools=tools, tool_choice="required", n=2)
+    async with oai(runtime) as client:
+        whole = await client.chat.completions.create(**request)
+        joined: dict[int, dict[int, list[str]]] = {0: {}, 1: {}}
+        async for chunk in await client.chat.completions.create(**request, stream=True):
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    if call.id is not None:
+                        joined[choice.index][call.index] = [call.function.name, ""]
+                    joined[choice.index][call.index][1] += call.function.arguments or ""
+    for choice in whole.choices:
+        assert [tuple(v) for _, v in sorted(joined[choice.index].items())] == \
+            [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
 async def test_forced_tool_use_anthropic(runtime):
     tools = [{"name": "weather", "input_schema": SCHEMA}]
     async with ant(runtime) as client:
