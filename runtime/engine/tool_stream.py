@@ -342,8 +342,9 @@ class ParserCallStream:
     streaming mode, as a :class:`~zerolayer.runtime.engine.base.ToolCallStream`.
 
     Fed as vLLM's ``serving_chat`` feeds it: the text and token ids before this delta, with it, and
-    the delta's own; at the end, the arguments the parser read but did not send yet go out with the
-    last call (as serving_chat's ``get_remaining_unstreamed_args``, see :meth:`_unsent`). ``request`` is the
+    the delta's own; at the end, an engine-based parser is flushed (``finish_streaming``) and the
+    arguments the parser read but did not send yet go out with the last call (as serving_chat's
+    ``get_remaining_unstreamed_args``, see :meth:`_unsent`). ``request`` is the
     ``ChatCompletionRequest`` carrying the tools. Nothing of vLLM is imported here: the parser's
     ``DeltaMessage`` is read by its field names.
     """
@@ -367,11 +368,21 @@ class ParserCallStream:
             except Exception as exc:  # a parser's own failure on odd output: the engine's error, not the client's
                 raise EngineError(f"the tool-call parser failed on the streamed output: {exc}") from exc
             self._text, self._ids = current_text, current_ids
-        content = (getattr(message, "content", None) or "") if message is not None else ""
-        pieces = [self._piece(call) for call in (getattr(message, "tool_calls", None) or ())]
+        content, pieces = self._read(message)
         if delta.finish_reason is not None:
+            if getattr(self._parser, "engine_based_streaming", False):
+                # vLLM's engine-based parsers hold text back until told the output ended.
+                more, flushed = self._read(self._parser.finish_streaming())
+                content, pieces = content + more, pieces + flushed
             pieces.extend(self._unsent())
         return ToolStreamStep(content, _merged(pieces))
+
+    def _read(self, message: Any) -> tuple[str, list[ToolCallPiece]]:
+        """A parser's ``DeltaMessage`` (or None) as content and pieces."""
+        if message is None:
+            return "", []
+        return (getattr(message, "content", None) or "",
+                [self._piece(call) for call in (getattr(message, "tool_calls", None) or ())])
 
     def _unsent(self) -> list[ToolCallPiece]:
         """The last call's arguments the parser has read but not sent (a parser sends a call's last

@@ -247,6 +247,23 @@ def test_parser_stream_names_a_call_once_and_turns_failures_into_engine_errors()
         ParserCallStream(Broken(), None).feed(Delta("x", 1, token_ids=(1,)))
 
 
+def test_an_engine_based_parser_is_flushed_at_the_end():
+    class EngineBased(RecordingParser):
+        engine_based_streaming = True
+
+        def finish_streaming(self):  # type: ignore[no-untyped-def]
+            return Msg(content="held back", tool_calls=[Call(0, arguments='"}')])
+
+    parser = EngineBased([Msg(tool_calls=[Call(0, "call_1", "weather", '{"city": "Os')]), None])
+    parser.prev_tool_call_arr = [{"name": "weather", "arguments": {"city": "Oslo"}}]
+    calls = ParserCallStream(parser, None)
+    assert calls.feed(Delta("a", 1, token_ids=(1,))).calls == (ToolCallPiece(0, '{"city": "Os', "call_1", "weather"),)
+    end = calls.feed(Delta("b", 1, "stop", token_ids=(2,)))
+    # Flushed first; then nothing is added: what was sent is no longer a prefix of the parsed arguments,
+    # and a guess could only send text twice.
+    assert (end.content, end.calls) == ("held back", (ToolCallPiece(0, '"}'),))
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_vllms_xlam_parser_streams_a_call_that_joins_to_its_whole_parse():
