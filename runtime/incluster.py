@@ -541,7 +541,7 @@ class _SyncMetrics:
 
 # What a running runtime can take from an edited InferenceNode without a restart, and what not.
 LIVE_KEYS = ("scheduler",)
-RESTART_KEYS = ("engine", "gpu", "listen", "tls", "telemetry", "limits")
+RESTART_KEYS = ("engine", "engines", "gpu", "listen", "tls", "telemetry", "limits")
 
 
 class NodeSpecSync(_Watching):

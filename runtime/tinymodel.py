@@ -72,8 +72,14 @@ def build_tokenizer(vocab_size: int):  # type: ignore[no-untyped-def]
 
 
 def generate(out_dir: str | pathlib.Path = DEFAULT_DIR, *, vocab_size: int = 2048, layers: int = 2,
-             hidden: int = 128, heads: int = 4, max_positions: int = 2048, seed: int = 0) -> pathlib.Path:
-    """Write the model folder and return its path. Idempotent: an existing model is kept."""
+             hidden: int = 128, heads: int = 4, max_positions: int = 2048, seed: int = 0,
+             init_std: float = 0.02) -> pathlib.Path:
+    """Write the model folder and return its path. Idempotent: an existing model is kept.
+
+    ``init_std`` is the weights' standard deviation. At the default (Llama's 0.02) the layers barely
+    change the residual stream, so with tied embeddings greedy decoding repeats the prompt's last
+    token whatever the seed; a larger one (0.5) gives a model whose greedy output depends on its
+    weights, for tests that must tell two models apart."""
     out = pathlib.Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
@@ -94,6 +100,7 @@ def generate(out_dir: str | pathlib.Path = DEFAULT_DIR, *, vocab_size: int = 204
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
+        initializer_range=init_std,
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)

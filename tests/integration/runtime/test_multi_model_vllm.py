@@ -8,7 +8,9 @@ then reach each by name.
 What random weights can show: that a request runs on the model it names. Greedy decoding
 (temperature 0) of one prompt gives one token sequence per set of weights, and the three sets here
 (base A, A with the adapter, base B) give three different sequences, while asking the same model twice
-gives the same one. They cannot show that an adapter makes a model better at anything.
+gives the same one. At the tiny model's default weight scale greedy decoding only echoes the prompt's
+last token, whatever the seed, so B and the adapter are written with larger weights (``init_std``).
+They cannot show that an adapter makes a model better at anything.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def node_config(tmp_path_factory) -> pathlib.Path:
 
     base_a = tinymodel.generate(REPO / ".models" / "tiny-llama")
     root = tmp_path_factory.mktemp("multi")
-    base_b = tinymodel.generate(root / "tiny-b", seed=7)  # same shape, other random weights
+    base_b = tinymodel.generate(root / "tiny-b", seed=7, init_std=0.5)  # same shape, weights that are its own
     adapter = tinymodel.generate_lora(base_a, root / "tiny-a-sql")
     config = {
         "engines": [

@@ -86,3 +86,16 @@ async def test_a_fixed_spec_after_an_invalid_one_is_applied():
         await sync.sync_once()
     reader.obj = inode(memoryThreshold=0.9, resumeThreshold=0.8)
     assert await sync.sync_once() is True and scheduler.config.low_shed_at == 0.9
+
+
+async def test_a_second_vllm_model_is_flagged_for_restart():
+    node = inode()
+    node["spec"]["runtime"] = {"engine": "vllm", "port": 18080, "gpus": 0}
+    reader = Reader(node)
+    sync = NodeSpecSync(reader, "gpu-node-0", {}, lambda marks: None)
+    sync.prime(reader.obj)
+    grown = copy.deepcopy(node)
+    grown["spec"]["models"].append({"name": "m2", "source": "/m2"})  # one engine becomes two (engines:)
+    reader.obj = grown
+    await sync.sync_once()
+    assert {"engine", "engines"} <= set(sync.restart_needed)
