@@ -114,6 +114,7 @@ def main() -> int:
     ap.add_argument("--resync", type=float, default=10800.0, help="operator --resync-seconds (the full resync)")
     ap.add_argument("--idle", type=float, default=120.0, help="seconds to count requests after convergence")
     ap.add_argument("--timeout", type=float, default=1200.0)
+    ap.add_argument("--profile", metavar="PATH", help="py-spy the operator while idle (collapsed stacks to PATH)")
     args = ap.parse_args()
 
     cluster = LocalCluster(log=lambda m: print(f"[cluster] {m}", flush=True))
@@ -216,7 +217,12 @@ def main() -> int:
 
         idle_base, own_base = dispatched(cluster, schema), sum(own.values())
         cpu_base = cpu
+        spy = subprocess.Popen(["py-spy", "record", "-p", str(operator.pid), "-d", str(int(args.idle)), "-r", "100",
+                                "--format", "raw", "--nonblocking", "-o", args.profile],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if args.profile else None
         time.sleep(args.idle)
+        if spy is not None:
+            spy.wait(timeout=60)
         idle = dispatched(cluster, schema) - idle_base
         own_after = own_requests(metrics_port)
         own_idle = sum(own_after.values()) - own_base

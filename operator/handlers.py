@@ -6,8 +6,9 @@ Reconciles are driven by watches, never by per-object timers:
 - a child (DaemonSet, Service, ServiceAccount, NetworkPolicy, Role, RoleBinding, ClusterRole,
   ClusterRoleBinding): its deletion, an edit that makes it differ from what the operator last
   applied (``Kube.drifted``), a change of the DaemonSet's readiness;
-- a Node: appearing, disappearing or losing its label (the operator's own watch of Nodes,
-  ``Reconciler.follow_nodes``, not kopf's); an InferenceNode's first fresh heartbeat.
+- a Node: disappearing or losing its label (seen as its runtime DaemonSet becoming unscheduled:
+  no watch follows every Node, see reconcile.py "Nodes"), appearing when an InferenceNode waits
+  for it (a watch of that one Node by name); an InferenceNode's first fresh heartbeat.
 A converged, idle fleet therefore costs nothing but the watches themselves and the leader's
 Lease renewals. One full resync (``Reconciler.resync_forever``: every ``resync_seconds``,
 hours, jittered) re-reads everything from the API server to bound drift no watch could see.
@@ -27,7 +28,6 @@ from zerolayer.operator.errors import KubeError, SpecError
 from zerolayer.operator.kopfstate import KopfState
 from zerolayer.operator.kube import Credentials, Kube
 from zerolayer.operator.metrics import OperatorMetrics
-from zerolayer.operator.reconcile import INODE as INODE_KIND
 from zerolayer.operator.reconcile import TQUOTA as TQUOTA_KIND
 from zerolayer.operator.reconcile import Reconciler, WaitingFor
 
@@ -40,7 +40,7 @@ FINALIZER = "zerolayer.io/finalizer"
 CRD_CACHE_SECONDS = 30.0
 # Kinds whose every event reaches Kube.observe below (namespaced ones in the runtime namespace).
 WATCHED_KINDS = ((m.API_VERSION, "InferenceNode", False), (m.API_VERSION, "TenantQuota", False),
-                 ("v1", "Node", False), ("v1", "Service", True), ("v1", "ServiceAccount", True),
+                 ("v1", "Service", True), ("v1", "ServiceAccount", True),
                  ("apps/v1", "DaemonSet", True), ("networking.k8s.io/v1", "NetworkPolicy", True),
                  ("rbac.authorization.k8s.io/v1", "Role", True), ("rbac.authorization.k8s.io/v1", "RoleBinding", True),
                  ("rbac.authorization.k8s.io/v1", "ClusterRole", False),
@@ -111,12 +111,10 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         ns = config.runtime_namespace
         for api_version, kind, namespace in WATCHED_KINDS:
             kube.watch(api_version, kind, ns if namespace else None)
+        kube.remember("v1", "Node")  # no watch follows Nodes (Reconciler, "Nodes")
         memo.reconciler = Reconciler(kube, config, observe=metrics.observe, selector=selector)
         memo.ready_seen = {}
         memo.resync = asyncio.create_task(memo.reconciler.resync_forever(), name="full resync")
-        # Nodes are followed by our own watch, not kopf's (see Kube.watch_stream: the cost of a
-        # status heartbeat).
-        memo.nodes = asyncio.create_task(memo.reconciler.follow_nodes(), name="node watch")
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -126,9 +124,8 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
-        for task in (memo.resync, memo.nodes):
-            task.cancel()
-        await asyncio.gather(memo.resync, memo.nodes, return_exceptions=True)
+        memo.resync.cancel()
+        await asyncio.gather(memo.resync, return_exceptions=True)
         await memo.reconciler.close()
         await memo.reconciler.kube.close()
 
@@ -235,8 +232,8 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
         memo.ready_seen[key] = seen
         owner = _owner(body)
         if owner and owner[0] == "InferenceNode":
-            # The DaemonSet controller and kwok/kubelet move its status several times within a
-            # second: one reconcile of the owner for the burst, from the newest cached status.
-            memo.reconciler.reconcile_soon(INODE_KIND, owner[1])
+            # The DaemonSet controller and kwok/kubelet move its status several times while the
+            # runtime comes up: one reconcile of the owner per burst, from the newest cached status.
+            memo.reconciler.daemonset_changed(owner[1], obj)
 
     return registry

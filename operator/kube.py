@@ -199,6 +199,9 @@ class Kube:
         # removed; entries are re-read after this long so even that drift is bounded.
         self.cache_seconds = 300.0
         self._watched: set[tuple[str, str, str | None]] = set()
+        # Kinds no watch follows whose reads and writes are still kept for cache_seconds, for
+        # callers that know when a cached copy is good enough (see remember()).
+        self._remembered: set[tuple[str, str]] = set()
         # What ensure() last wanted of each object (its comparable part), for drifted().
         self._desired: dict[tuple[str, str, str | None, str], dict] = {}
         self._crd_cache_seconds = crd_cache_seconds
@@ -264,6 +267,13 @@ class Kube:
         namespace, or cluster-wide for None), so reads of it may be served from what it saw."""
         self._watched.add((api_version, kind, namespace))
 
+    def remember(self, api_version: str, kind: str) -> None:
+        """Keep what our own reads and writes return for objects of this kind (no watch follows
+        them): ``get(cached=True)`` may then answer from that copy for ``cache_seconds``, so
+        callers ask for it only when they know the object cannot have changed in a way that
+        matters to them (Reconciler: a Node while its runtime DaemonSet is scheduled there)."""
+        self._remembered.add((api_version, kind))
+
     def observe(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
         """Feed one watch event. Deletions drop the object; otherwise the newer version is kept."""
         meta = obj.get("metadata") or {}
@@ -274,7 +284,7 @@ class Kube:
             self._remember(key, obj)
 
     def _remember(self, key: tuple, obj: Mapping[str, Any]) -> None:
-        if not self._is_watched(key):
+        if not self._is_kept(key):
             return
         old = self._seen.get(key, (0.0, None))[1]
         if old is not None:
@@ -286,15 +296,18 @@ class Kube:
                 return
         self._seen[key] = (time.monotonic(), dict(obj))
 
-    def _is_watched(self, key: tuple) -> bool:
+    def _is_kept(self, key: tuple) -> bool:
         api_version, kind, namespace, _name = key
-        return (api_version, kind, namespace) in self._watched or (api_version, kind, None) in self._watched
+        return (api_version, kind, namespace) in self._watched or (api_version, kind, None) in self._watched \
+            or (api_version, kind) in self._remembered
 
     # ----------------------------------------------------------------- our own watch
     async def watch_stream(self, api_version: str, kind: str, namespace: str | None = None, *,
-                           timeout_seconds: int = 1800, retry_seconds: float = 1.0) -> AsyncIterator[tuple[str, dict]]:
-        """Follow every object of a kind (in ``namespace``, or cluster-wide for None): yields
-        ``(event type, object)``, first ``ADDED`` for each listed object, then the watch's events.
+                           field_selector: str | None = None, timeout_seconds: int = 1800,
+                           retry_seconds: float = 1.0) -> AsyncIterator[tuple[str, dict]]:
+        """Follow the objects of a kind (in ``namespace``, or cluster-wide for None; only those
+        ``field_selector`` matches when given): yields ``(event type, object)``, first ``ADDED``
+        for each listed object, then the watch's events.
 
         The watch resumes from the last resourceVersion it saw (bookmarks advance it without
         an event), so a watch the server ends after ``timeout_seconds`` costs one request; only
@@ -302,20 +315,19 @@ class Kube:
         gone meanwhile, with its name only). Errors are logged and retried after
         ``retry_seconds`` (doubling up to 30 s); the generator never returns on its own.
 
-        Why not kopf's watch: kopf runs every event through its per-object machinery, about
-        5 ms of CPU each; kwok (and kubelets) rewrite every Node's status every few seconds,
-        so at 200 Nodes kopf's Node watch alone kept 10 % of a core busy. Here an event costs
-        one JSON parse and whatever the caller does with it.
+        For a watch that lives and dies with one task (kopf's watches live as long as the
+        operator): the operator uses it to wait for one missing Node by name.
         """
         prefix, plural, namespaced = KINDS[(api_version, kind)]
         path = f"{prefix}/namespaces/{namespace}/{plural}" if namespaced and namespace else f"{prefix}/{plural}"
+        selector = {"fieldSelector": field_selector} if field_selector else {}
         known: set[tuple[str | None, str]] = set()
         version: str | None = None
         delay = retry_seconds
         while True:
             try:
                 if version is None:
-                    listing = await self.request("GET", path)
+                    listing = await self.request("GET", path, query=selector or None)
                     version = (listing.get("metadata") or {}).get("resourceVersion") or None
                     fresh: dict[tuple[str | None, str], dict] = {}
                     for item in listing.get("items") or ():
@@ -329,7 +341,8 @@ class Kube:
                     for item in fresh.values():
                         yield "ADDED", item
                 opened = time.monotonic()
-                async with contextlib.aclosing(self._watch_once(path, plural, version, timeout_seconds)) as events:
+                async with contextlib.aclosing(self._watch_once(path, plural, version, timeout_seconds,
+                                                                    selector)) as events:
                     async for event_type, obj in events:
                         delay = retry_seconds
                         meta = obj.get("metadata") or {}
@@ -359,10 +372,11 @@ class Kube:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
 
-    async def _watch_once(self, path: str, plural: str, version: str | None,
-                          timeout_seconds: int) -> AsyncIterator[tuple[str, dict]]:
+    async def _watch_once(self, path: str, plural: str, version: str | None, timeout_seconds: int,
+                          selector: Mapping[str, str] | None = None) -> AsyncIterator[tuple[str, dict]]:
         """One watch request from ``version``: its events until the server ends it."""
-        query = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
+        query = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds),
+                 **(selector or {})}
         if version:
             query["resourceVersion"] = version
         headers = {"Accept": "application/json", **self._credentials.headers()}
@@ -488,6 +502,20 @@ class Kube:
             if time.monotonic() - seen_at < self.cache_seconds:
                 return copy.deepcopy(obj)
         return None
+
+    def freshest(self, obj: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``obj``, or the cache's copy of it when that is newer (a higher resourceVersion): a
+        reconcile handed an event's body that our own status write has since overtaken must not
+        write the same status (and send the same event) again."""
+        meta = obj.get("metadata") or {}
+        key = (obj.get("apiVersion", ""), obj.get("kind", ""), meta.get("namespace"), meta.get("name", ""))
+        cached = self._seen.get(key)
+        if cached is None:
+            return obj
+        mine, theirs = meta.get("resourceVersion", ""), cached[1].get("metadata", {}).get("resourceVersion", "")
+        if mine.isdigit() and theirs.isdigit() and int(theirs) > int(mine):
+            return copy.deepcopy(cached[1])
+        return obj
 
     def drifted(self, obj: Mapping[str, Any]) -> bool:
         """Whether a watched object no longer says what the operator last applied to it (a hand

@@ -19,7 +19,7 @@ CLUSTER_RULES: list[dict] = [
     # Conditions and phase; get+patch are also what the operator grants runtimes on status.
     {"apiGroups": ["zerolayer.io"], "resources": ["inferencenodes/status", "tenantquotas/status"],
      "verbs": ["get", "patch"]},
-    # Read and label GPU nodes; watch them to notice a removed label or a Node that appears.
+    # Read and label GPU nodes; list+watch one Node by name while an InferenceNode waits for it to join.
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
     # get only: read each TenantQuota's API-key Secret to count its keys and publish their hashes.
     # Nothing lists or watches Secrets, and runtimes are granted no tenant Secret at all. Not

@@ -36,6 +36,7 @@ class FakeKube:
         self.events: list[tuple] = []
         self.crds: set[str] = set()
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}
+        self.reads: list[tuple] = []  # (kind, name, cached) of every get()
 
     # helpers for tests
     def put(self, obj: dict) -> dict:
@@ -53,9 +54,18 @@ class FakeKube:
         return sorted(k[3] for k in self.objects if k[1] == kind)
 
     # the Kube interface
+    def peek(self, key):
+        """The fake's cache is the truth (the real one is fed by watches)."""
+        obj = self.objects.get(key)
+        return copy.deepcopy(obj) if obj else None
+
     async def get(self, api_version, kind, name, namespace=None, *, cached=False):
+        self.reads.append((kind, name, cached))
         obj = self.find(api_version, kind, name, namespace)
         return copy.deepcopy(obj) if obj else None
+
+    def freshest(self, obj):
+        return obj  # tests hand over the body they mean
 
     async def list(self, api_version, kind, namespace=None, *, label_selector=None):
         wanted = dict(part.split("=", 1) for part in label_selector.split(",")) if label_selector else {}

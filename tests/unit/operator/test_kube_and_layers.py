@@ -67,6 +67,7 @@ class CountingKube(kube.Kube):
         self.objects, self.calls = objects, []
         self._on_request = lambda *a: None
         self._seen, self._watched, self._crd_cache, self._desired = {}, set(), {}, {}
+        self._remembered = set()
         self.cache_seconds = 300.0
 
     async def send(self, method, path, *, body=None, content_type="application/json", query=None):

@@ -1,16 +1,17 @@
-"""The operator's own Node watch (Kube.watch_stream, Reconciler.node_changed/follow_nodes) and kopf's
-bookkeeping kept in memory (operator/kopfstate.py): what each does and what each never writes."""
+"""Nodes without a watch of every Node (Reconciler, "Nodes"; Kube.watch_stream for one missing Node),
+kopf's bookkeeping kept in memory (operator/kopfstate.py), and the coalesced DaemonSet triggers."""
 
 from __future__ import annotations
 
 import asyncio
 
 import kopf
+import pytest
 
 from zerolayer.operator import kube
 from zerolayer.operator.errors import KubeError
 from zerolayer.operator.kopfstate import KopfState
-from zerolayer.operator.reconcile import INODE, Reconciler
+from zerolayer.operator.reconcile import INODE, Reconciler, WaitingFor
 
 from tests.unit.operator.fakes import FakeKube
 from tests.unit.operator.test_reconcile import CONFIG, world
@@ -33,7 +34,7 @@ class ScriptedKube(kube.Kube):
         assert method == "GET" and path == "/api/v1/nodes"
         return self.lists.pop(0)
 
-    async def _watch_once(self, path, plural, version, timeout_seconds):
+    async def _watch_once(self, path, plural, version, timeout_seconds, selector=None):
         self.watch_versions.append(version)
         script = self.watches.pop(0)
         if isinstance(script, Exception):
@@ -76,38 +77,70 @@ async def test_watch_stream_retries_an_error_without_listing_again():
     assert [t for t, _ in events] == ["ADDED"] and k.watch_versions == ["10", "10"] and k.lists == []
 
 
-def test_only_claimed_nodes_that_appear_vanish_or_lose_the_label_ask_for_repair():
-    rec = Reconciler(FakeKube(), CONFIG)
-    rec.node_index["n1"].add("inode-1")
-    labelled = node("n1", "2", **{"zerolayer.io/inference-node": "true"})
-    assert rec.node_changed("MODIFIED", labelled) == []  # a status heartbeat
-    assert rec.node_changed("MODIFIED", node("other", "3")) == []  # nobody's node
-    assert rec.node_changed("MODIFIED", node("n1", "4")) == ["inode-1"]  # label removed
-    assert rec.node_changed("DELETED", labelled) == ["inode-1"]
-    assert rec.node_changed("ADDED", labelled) == []  # a relist of a node nobody waits for
-    rec.missing_nodes.add("n1")
-    assert rec.node_changed("ADDED", labelled) == ["inode-1"]
+async def test_a_node_is_read_from_the_api_server_unless_its_runtime_is_scheduled_there():
+    """No watch follows Nodes: the DaemonSet controller's status says whether the Node still
+    exists with its label; only while it does may a remembered copy of the Node be used."""
+    from tests.unit.operator.test_reconcile import mark_runtime_ready, snapshot
 
-
-async def test_follow_nodes_feeds_the_cache_and_repairs_the_claiming_inference_node():
     kube_, rec, inode = world()
-    await rec.reconcile_inference_node(inode)  # labels gpu-node-0 and claims it
-    seen, repaired = [], []
+    await rec.reconcile_inference_node(inode)  # no DaemonSet yet: a real read
+    assert ("Node", "gpu-node-0", False) in kube_.reads
+    mark_runtime_ready(kube_)
+    kube_.reads.clear()
+    await rec.reconcile_inference_node(snapshot(kube_))
+    assert [r for r in kube_.reads if r[0] == "Node"] == [("Node", "gpu-node-0", True)]
+    ds = kube_.find("apps/v1", "DaemonSet", "zl-runtime-gpu-node-0", "zl-run")
+    ds["status"]["desiredNumberScheduled"] = 0  # the Node lost its label or went away
+    del kube_.find("v1", "Node", "gpu-node-0")["metadata"]["labels"]["zerolayer.io/inference-node"]
+    kube_.reads.clear()
+    await rec.reconcile_inference_node(snapshot(kube_))
+    assert [r for r in kube_.reads if r[0] == "Node"] == [("Node", "gpu-node-0", False)]
+    assert kube_.find("v1", "Node", "gpu-node-0")["metadata"]["labels"]["zerolayer.io/inference-node"] == "true"
 
-    async def stream(api_version, kind):
-        yield "MODIFIED", node("gpu-node-0", "7", **{"zerolayer.io/inference-node": "true"})
-        yield "MODIFIED", node("gpu-node-0", "8")  # someone removed the label
-        await asyncio.Event().wait()  # a watch stays open
+
+async def test_a_missing_node_is_watched_by_name_until_it_appears():
+    kube_, rec, inode = world(with_node=False)
+    appeared = asyncio.Event()
+    selectors, repaired = [], []
+
+    async def stream(api_version, kind, *, field_selector=None):
+        selectors.append(field_selector)
+        await appeared.wait()
+        yield "ADDED", node("gpu-node-0", "3")
+        await asyncio.Event().wait()  # the watch would stay open: the waiter must close it
 
     kube_.watch_stream = stream
-    kube_.observe = lambda t, o: seen.append((t, o["metadata"]["resourceVersion"]))
     rec.reconcile_soon = lambda kind, name, delay: repaired.append((kind, name, delay))
-    task = asyncio.create_task(rec.follow_nodes())
-    await asyncio.sleep(0.05)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    assert seen == [("MODIFIED", "7"), ("MODIFIED", "8")]
+    for _ in range(2):  # the first reconcile and a retry: one watch
+        with pytest.raises(WaitingFor):
+            await rec.reconcile_inference_node(inode)
+    await asyncio.sleep(0.01)
+    assert selectors == ["metadata.name=gpu-node-0"] and list(rec._node_waits) == ["gpu-node-0"]
+    appeared.set()
+    await asyncio.sleep(0.01)
     assert repaired == [(INODE, "gpu-node-0", 0.0)]
+    assert rec._node_waits == {}
+    await rec.close()
+
+
+async def test_deleting_the_waiting_inference_node_closes_its_node_watch():
+    kube_, rec, inode = world(with_node=False)
+    closed = asyncio.Event()
+
+    async def stream(api_version, kind, *, field_selector=None):
+        try:
+            await asyncio.Event().wait()
+            yield "ADDED", {}
+        finally:
+            closed.set()
+
+    kube_.watch_stream = stream
+    with pytest.raises(WaitingFor):
+        await rec.reconcile_inference_node(inode)
+    await asyncio.sleep(0.01)
+    await rec.delete_inference_node(kube_.find("zerolayer.io/v1alpha1", "InferenceNode", "gpu-node-0"))
+    await asyncio.wait_for(closed.wait(), 1)
+    assert rec._node_waits == {} and "gpu-node-0" not in rec.missing_nodes
 
 
 def test_kopf_bookkeeping_stays_in_memory_and_only_a_retry_touch_writes():
@@ -129,3 +162,72 @@ def test_kopf_bookkeeping_stays_in_memory_and_only_a_retry_touch_writes():
     assert len(state.diffbase) == 1
     state.forget_if_deleted({"type": "DELETED", "object": dict(body)})
     assert len(state.diffbase) == 0 and state.diffbase.fetch(body=body) is None
+
+
+async def test_a_runtime_coming_up_is_reconciled_late_unless_it_becomes_ready_first(monkeypatch):
+    """DaemonSet status bursts: intermediate rollout states wait ROLLOUT_SETTLE_SECONDS (one status
+    write fewer per state), a ready (or unschedulable) runtime is reconciled within COALESCE_SECONDS."""
+    from zerolayer.operator import reconcile
+
+    monkeypatch.setattr(reconcile, "ROLLOUT_SETTLE_SECONDS", 0.3)
+    monkeypatch.setattr(reconcile, "COALESCE_SECONDS", 0.02)
+    rec = Reconciler(FakeKube(), CONFIG)
+    calls = []
+
+    async def by_name(name):
+        calls.append(name)
+    rec.reconcile_inference_node_by_name = by_name
+    ds = {"metadata": {"generation": 1},
+          "status": {"observedGeneration": 1, "desiredNumberScheduled": 1, "updatedNumberScheduled": 1}}
+    rec.daemonset_changed("a", ds)  # pod not ready yet
+    rec.daemonset_changed("b", ds)
+    await asyncio.sleep(0.1)
+    assert calls == []  # still settling
+    rec.daemonset_changed("a", {**ds, "status": {**ds["status"], "numberReady": 1}})  # ready: sooner
+    await asyncio.sleep(0.1)
+    assert calls == ["a"]
+    await asyncio.sleep(0.3)
+    assert calls == ["a", "b"]  # the other one once its settle time passed, exactly once
+    assert rec._soon == {}
+    await rec.close()
+
+
+async def test_a_later_request_joins_the_pending_reconcile():
+    rec = Reconciler(FakeKube(), CONFIG)
+    rec.reconcile_soon(INODE, "a", delay=5)
+    first = rec._soon[(INODE, "a")][0]
+    rec.reconcile_soon(INODE, "a", delay=10)  # later: joins
+    assert rec._soon[(INODE, "a")][0] is first
+    rec.reconcile_soon(INODE, "a", delay=1)  # sooner: replaces it
+    assert rec._soon[(INODE, "a")][0] is not first
+    await asyncio.sleep(0)
+    assert first.cancelled() and len(rec._soon) == 1
+    await rec.close()
+    assert rec._soon == {}
+
+
+def test_freshest_prefers_the_cache_only_when_it_is_newer():
+    from tests.unit.operator.test_kube_and_layers import CountingKube
+
+    k = CountingKube({})
+    k.watch("zerolayer.io/v1alpha1", "InferenceNode", None)
+    old = {"apiVersion": "zerolayer.io/v1alpha1", "kind": "InferenceNode",
+           "metadata": {"name": "x", "resourceVersion": "5"}, "status": {}}
+    new = {**old, "metadata": {**old["metadata"], "resourceVersion": "7"}, "status": {"phase": "Ready"}}
+    assert k.freshest(old) is old  # nothing cached
+    k.observe("MODIFIED", new)
+    assert k.freshest(old)["status"] == {"phase": "Ready"}  # our own write overtook the event's body
+    newer = {**old, "metadata": {**old["metadata"], "resourceVersion": "9"}}
+    assert k.freshest(newer) is newer
+
+
+async def test_a_remembered_kind_is_served_from_our_own_reads_only_when_asked():
+    from tests.unit.operator.test_kube_and_layers import CountingKube
+
+    k = CountingKube({"/api/v1/nodes/n": node("n", "5")})
+    k.remember("v1", "Node")
+    await k.get("v1", "Node", "n", cached=True)
+    await k.get("v1", "Node", "n", cached=True)
+    assert len(k.calls) == 1  # the second from our own read
+    await k.get("v1", "Node", "n")
+    assert len(k.calls) == 2  # not asked for a cached copy: a real read
