@@ -53,15 +53,32 @@ def images_on_node(cluster: RealCluster) -> str:
 
 
 # ------------------------------------------------------------------ model
-def tiny_model(parent: pathlib.Path) -> pathlib.Path:
-    """The generated tiny Llama model in ``parent/tiny``, world-readable (the server runs as uid
-    65532; a hostPath volume keeps the host's modes)."""
-    out = parent / "tiny"
-    subprocess.run(["python3", "-m", "zerolayer.runtime.tinymodel", str(out)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+def tiny_model(parent: pathlib.Path, name: str = "tiny", seed: int = 0, init_std: float = 0.02) -> pathlib.Path:
+    """The generated tiny Llama model in ``parent/<name>`` (``seed``, ``init_std``: its random weights,
+    see :func:`zerolayer.runtime.tinymodel.generate`), world-readable (the server runs as uid 65532;
+    a hostPath volume keeps the host's modes)."""
+    out = parent / name
+    subprocess.run(["python3", "-c", "import sys; from zerolayer.runtime import tinymodel; "
+                    "tinymodel.generate(sys.argv[1], seed=int(sys.argv[2]), init_std=float(sys.argv[3]))",
+                    str(out), str(seed), str(init_std)],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    _readable(parent, out)
+    return out
+
+
+def tiny_adapter(parent: pathlib.Path, base: pathlib.Path, name: str) -> pathlib.Path:
+    """A LoRA adapter (random A/B, PEFT layout) for the tiny model ``base``, in ``parent/<name>``."""
+    out = parent / name
+    subprocess.run(["python3", "-c", "import sys; from zerolayer.runtime import tinymodel; "
+                    "tinymodel.generate_lora(sys.argv[1], sys.argv[2])", str(base), str(out)],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    _readable(parent, out)
+    return out
+
+
+def _readable(parent: pathlib.Path, out: pathlib.Path) -> None:
     for path in [parent, out, *out.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
-    return out
 
 
 def model_dir() -> pathlib.Path:

@@ -45,6 +45,7 @@ MONITORING_NS, OUTSIDER_NS = "monitoring", "outsider"
 PORT, METRICS_PORT = 8443, 9464  # the chart's runtime.port and runtime.metricsPort
 INODE = REAL_NODE  # one InferenceNode per node; named after it
 MODEL = "tiny"
+ADAPTER, SECOND = "tiny-sql", "tiny-b"  # a LoRA adapter on MODEL, and a second base model (its own engine)
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 POD_READY_S = 300  # vLLM in a pod was Ready in ~50 s; two shared cores, allow for a busy machine
 SELECTOR = f"app.kubernetes.io/name=zerolayer-runtime,zerolayer.io/inference-node={INODE}"
@@ -121,6 +122,8 @@ def stack(_real_cluster_session, tmp_path_factory):
     repo, _, version = tag.rpartition(":")
     models = h.model_dir()
     model = h.tiny_model(models)
+    second = h.tiny_model(models, SECOND, seed=7, init_std=0.5)  # greedy output that is its own, not an echo
+    adapter = h.tiny_adapter(models, model, ADAPTER)
     audit_existed = h.AUDIT_HOST_DIR.exists()
     a = Tenant(f"tenant-a-{run}", "tenant-a", f"sk-a-{uuid.uuid4().hex}")
     b = Tenant(f"tenant-b-{run}", "tenant-b", f"sk-b-{uuid.uuid4().hex}")
@@ -151,7 +154,9 @@ def stack(_real_cluster_session, tmp_path_factory):
         gpus = int(cluster.kubectl_json("get", "node", REAL_NODE)["status"]["allocatable"]["nvidia.com/gpu"])
         inode = {"apiVersion": h.API, "kind": "InferenceNode", "metadata": {"name": INODE},
                  "spec": {"nodeName": REAL_NODE,
-                          "models": [{"name": MODEL, "source": {"hostPath": {"path": str(model)}}}],
+                          "models": [{"name": MODEL, "source": {"hostPath": {"path": str(model)}},
+                                      "loras": [{"name": ADAPTER, "source": {"hostPath": {"path": str(adapter)}}}]},
+                                     {"name": SECOND, "source": {"hostPath": {"path": str(second)}}}],
                           # CPU engine settings (the defaults target GPUs): no torch.compile (the image has
                           # no C++ compiler), float32 weights as the model was written
                           "runtime": {"engine": "vllm", "kvCacheBytes": 268435456, "gpus": gpus, "drainSeconds": 20,
@@ -244,7 +249,32 @@ def test_anthropic_sdk_answers_through_the_pod_ip(stack):
         with _client(url, "sk-not-a-tenant") as client:
             client.messages.create(model=MODEL, max_tokens=4, messages=MESSAGES)
     log = stack.cluster.kubectl("logs", "-n", RUNTIME_NS, pod["metadata"]["name"], "-c", "server").stdout
-    assert f"zerolayer runtime serving on http://0.0.0.0:{PORT} (engine: vllm, models: {MODEL})" in log
+    assert (f"zerolayer runtime serving on http://0.0.0.0:{PORT} (engine: vllm, "
+            f"models: {MODEL}, {ADAPTER}, {SECOND})") in log
+
+
+def test_two_models_and_an_adapter_served_by_one_pod(stack):
+    """Each model of the InferenceNode has its own engine in the pod, the adapter runs on its base
+    model's engine, and all three are listed, routed by name and published in status.models."""
+    import openai
+
+    pod = stack.pod()
+    url = f"http://{pod['status']['podIP']}:{PORT}/v1"
+    with openai.OpenAI(base_url=url, api_key=stack.b.key, max_retries=2, timeout=120) as client:
+        listed = {m.id: m for m in client.models.list().data}
+        assert list(listed) == [MODEL, ADAPTER, SECOND]
+        assert listed[ADAPTER].parent == MODEL and listed[SECOND].parent is None
+        texts = {}
+        for model in (MODEL, ADAPTER, SECOND):
+            out = client.completions.create(model=model, prompt="The sea", max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.model == model and out.usage.completion_tokens == 8
+            texts[model] = out.choices[0].text
+    # Three sets of weights, three greedy answers (the base model echoes the prompt's last token;
+    # the adapter and the second model, with larger weights, write their own).
+    assert len(set(texts.values())) == 3, texts
+    status = stack.cluster.kubectl_json("get", "inferencenode", INODE)["status"]
+    assert status["models"] == [MODEL, ADAPTER, SECOND]
 
 
 # ---------------------------------------------------------------------------------------- 6
