@@ -25,21 +25,13 @@ import pytest
 import pytest_asyncio
 import yaml
 from runtime_helpers import KEY, start_runtime
+from tests.vllm_marks import vllm_marks
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     pytest.importorskip("vllm", reason="the vllm engine extra is not installed")
 
-pytestmark = [
-    pytest.mark.integration, pytest.mark.engine, pytest.mark.timeout(400),
-    pytest.mark.asyncio(loop_scope="session"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:torch"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:transformers"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:vllm"),
-    pytest.mark.filterwarnings("ignore::FutureWarning:vllm"),
-    pytest.mark.filterwarnings("ignore::UserWarning:vllm"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = [*vllm_marks(timeout=400), pytest.mark.asyncio(loop_scope="session")]
 REPO = pathlib.Path(__file__).resolve().parents[3]
 PROMPT = "The quick brown fox"
 ENGINE = {"kind": "vllm", "max_model_len": 512, "max_num_seqs": 4, "kv_cache_memory_bytes": 32 * 1024 * 1024,

