@@ -39,7 +39,7 @@ INODE = (m.API_VERSION, "InferenceNode")
 PUBLISHED_MAX_AGE = 300.0
 PUBLISH_WINDOW = 1.0  # seconds key-hash entries wait for others to share one write (at most one write a second)
 COALESCE_SECONDS = 1.0  # a DaemonSet's status changes within this share one reconcile of its owner
-ROLLOUT_SETTLE_SECONDS = 10.0  # ... while its runtime is still coming up (see Reconciler.daemonset_changed)
+ROLLOUT_SETTLE_SECONDS = 30.0  # ... while its runtime is still coming up (see Reconciler.daemonset_changed)
 ROLLING_OUT = frozenset({"RolloutPending", "RollingOut", "PodNotReady"})  # RuntimeReady reasons of that
 TQUOTA = (m.API_VERSION, "TenantQuota")
 
@@ -231,7 +231,7 @@ class Reconciler:
                 self._stop_awaiting(other)
         self.node_index[node_name].add(name)
 
-        node = await self.kube.get("v1", "Node", node_name, cached=self._runtime_scheduled(name))
+        node = await self.kube.get("v1", "Node", node_name, cached=self._node_copy_will_do(name))
         if node is None:
             self.missing_nodes.add(node_name)
             self._await_node(node_name)
@@ -710,19 +710,21 @@ class Reconciler:
     # few seconds, and at 200 Nodes receiving those events cost the operator 2-10 % of a core while
     # nothing else moved. The DaemonSet controller watches Nodes anyway: a Node that disappears or
     # loses the inference-node label makes its runtime DaemonSet unscheduled (desiredNumberScheduled
-    # 0), and that status change reaches the operator through its DaemonSet watch. So a Node is
-    # read from the API server unless its DaemonSet says the runtime is scheduled there, and a Node
-    # an InferenceNode waits for is watched by name until it appears.
-    def _runtime_scheduled(self, name: str) -> bool:
-        """Whether the watch-fed cache shows this InferenceNode's runtime DaemonSet, at its latest
-        spec, scheduled on its Node: then that Node exists and carries the label (the DaemonSet
-        controller would have reported otherwise), and a remembered copy of it will do."""
+    # 0 at the current spec), and that status change reaches the operator through its DaemonSet
+    # watch. So a Node is read from the API server when its DaemonSet says so (or when no copy of it
+    # from our own reads and writes is left), and a Node an InferenceNode waits for is watched by
+    # name until it appears.
+    def _node_copy_will_do(self, name: str) -> bool:
+        """False when the watch-fed cache shows this InferenceNode's runtime DaemonSet, at its
+        latest spec, scheduled nowhere: its Node went away or lost the label, so a remembered copy
+        of the Node would hide that. Otherwise (scheduled there, or not yet seen by the DaemonSet
+        controller, whose verdict will come as a DaemonSet event) a copy will do."""
         ds = self.kube.peek(("apps/v1", "DaemonSet", self.config.runtime_namespace, m.runtime_name(name)))
         if ds is None:
-            return False
+            return True
         status = ds.get("status") or {}
-        return status.get("desiredNumberScheduled", 0) >= 1 and \
-            status.get("observedGeneration", 0) >= (ds.get("metadata") or {}).get("generation", 1)
+        observed = status.get("observedGeneration", 0) >= (ds.get("metadata") or {}).get("generation", 1)
+        return not (observed and status.get("desiredNumberScheduled", 0) == 0)
 
     def _await_node(self, node_name: str) -> None:
         """Watch for the missing Node by name (one watch per missing Node, closed once it

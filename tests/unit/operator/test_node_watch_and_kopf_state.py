@@ -77,14 +77,19 @@ async def test_watch_stream_retries_an_error_without_listing_again():
     assert [t for t, _ in events] == ["ADDED"] and k.watch_versions == ["10", "10"] and k.lists == []
 
 
-async def test_a_node_is_read_from_the_api_server_unless_its_runtime_is_scheduled_there():
+async def test_a_node_is_read_from_the_api_server_when_its_runtime_is_scheduled_nowhere():
     """No watch follows Nodes: the DaemonSet controller's status says whether the Node still
-    exists with its label; only while it does may a remembered copy of the Node be used."""
+    exists with its label; a remembered copy of the Node is used unless it says no."""
     from tests.unit.operator.test_reconcile import mark_runtime_ready, snapshot
 
     kube_, rec, inode = world()
-    await rec.reconcile_inference_node(inode)  # no DaemonSet yet: a real read
-    assert ("Node", "gpu-node-0", False) in kube_.reads
+    await rec.reconcile_inference_node(inode)  # no DaemonSet yet: a copy if one is left (Kube: a miss reads)
+    assert ("Node", "gpu-node-0", True) in kube_.reads
+    ds = kube_.find("apps/v1", "DaemonSet", "zl-runtime-gpu-node-0", "zl-run")
+    ds["status"] = {"observedGeneration": 0, "desiredNumberScheduled": 0}  # not yet seen by its controller
+    kube_.reads.clear()
+    await rec.reconcile_inference_node(snapshot(kube_))
+    assert [r for r in kube_.reads if r[0] == "Node"] == [("Node", "gpu-node-0", True)]
     mark_runtime_ready(kube_)
     kube_.reads.clear()
     await rec.reconcile_inference_node(snapshot(kube_))
