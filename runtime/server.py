@@ -157,6 +157,15 @@ class RuntimeServer:
         deadline = time.monotonic() + timeout
         while self.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        if self.app.streams:
+            # Streams still running at the deadline end with a contract error the client can act on
+            # (MODEL_UNAVAILABLE: retryable, elsewhere) rather than a connection cut mid-body; a moment
+            # for those last writes, then the connections close.
+            for key in list(self.app.streams):
+                self.app.preempt(key, ErrorCode.MODEL_UNAVAILABLE, "drain_timeout")
+            grace = time.monotonic() + 1.0
+            while self.app.streams and time.monotonic() < grace:
+                await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.close()
         for server in self._servers:

@@ -117,6 +117,33 @@ async def test_graceful_drain_finishes_streams_and_refuses_new_ones(slow_runtime
     assert sse_events(bytes(result.body))[-1][0] == "message_stop"
 
 
+async def test_streams_still_running_at_the_drain_deadline_end_with_a_retryable_error(slow_runtime):
+    """h2 and HTTP/1.1 alike: the client's last event is MODEL_UNAVAILABLE (an SSE error event; then
+    RST_STREAM on h2, the connection closed mid-body on HTTP/1.1), not a body that merely stops."""
+    import httpx
+
+    async with H2Client(slow_runtime.port) as client, httpx.AsyncClient(timeout=10) as h1:
+        first = await client.request("/v1/messages", chat_body(max_tokens=200), {"x-api-key": KEY})
+        await asyncio.wait_for(client.streams[first].got_data.wait(), 5)
+        chunks: list[bytes] = []
+        async with h1.stream("POST", f"{slow_runtime.base_url}/v1/messages", content=chat_body(max_tokens=200),
+                             headers={"x-api-key": KEY, "content-type": "application/json"}) as answer:
+            assert answer.status_code == 200
+            stopping = asyncio.get_running_loop().create_task(slow_runtime.stop(drain_timeout_s=0.3))
+            with pytest.raises(httpx.RemoteProtocolError):  # HTTP/1.1 has no reset: the cut is the signal
+                async for chunk in answer.aiter_bytes():
+                    chunks.append(chunk)
+        h1_body = b"".join(chunks)
+        await asyncio.wait_for(client.streams[first].done.wait(), 5)
+        await asyncio.wait_for(stopping, 10)
+    for body in (bytes(client.streams[first].body), h1_body):
+        event, data = sse_events(body)[-1]
+        assert event == "error" and data["error"]["type"] == "overloaded_error", (event, data)
+    assert client.streams[first].reset_code == H2_CANCEL
+    assert slow_runtime.metrics.value("zerolayer_preemptions_total", code="MODEL_UNAVAILABLE",
+                                      reason="drain_timeout") == 2
+
+
 async def test_rapid_reset_never_starts_engine_work_and_gets_goaway():
     limits = Limits(rapid_reset_burst=200, rapid_reset_per_second=1)
     async with start_runtime(limits=limits) as server:
