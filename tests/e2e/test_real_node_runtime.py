@@ -158,8 +158,10 @@ def stack(_real_cluster_session, tmp_path_factory):
                                       "loras": [{"name": ADAPTER, "source": {"hostPath": {"path": str(adapter)}}}]},
                                      {"name": SECOND, "source": {"hostPath": {"path": str(second)}}}],
                           # CPU engine settings (the defaults target GPUs): no torch.compile (the image has
-                          # no C++ compiler), float32 weights as the model was written
-                          "runtime": {"engine": "vllm", "kvCacheBytes": 268435456, "gpus": gpus, "drainSeconds": 20,
+                          # no C++ compiler), float32 weights as the model was written. drainSeconds: the
+                          # drain tests' 1500-token stream must end inside it; at 20 s it once did not, with
+                          # two engines in the pod and another run busy on the same two cores.
+                          "runtime": {"engine": "vllm", "kvCacheBytes": 268435456, "gpus": gpus, "drainSeconds": 60,
                                       "enforceEager": True, "dtype": "float32",
                                       "resources": {"requests": {"cpu": "200m", "memory": "512Mi"},
                                                     "limits": {"memory": "8Gi"}}}}}
