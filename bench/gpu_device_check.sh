@@ -4,7 +4,9 @@
 #   2. the GPU source an operator-deployed runtime would pick here (gpu.source: auto);
 #   3. one gpu-defragd scan, dry run (report only, never signal or reset);
 #   4. where `pip install vllm==0.32.0` works (or vLLM is already installed): the tiny generated
-#      model on the GPU with zerolayer's GPU engine defaults, printing a table.
+#      model on the GPU with zerolayer's GPU engine defaults, printing a table; then two models and a
+#      LoRA adapter as an InferenceNode with one GPU deploys them (both engines on GPU 0, half the
+#      memory fraction each).
 # Run from the repository root:  bash bench/gpu_device_check.sh
 # Each step is bounded; a failed step is reported and the next one still runs. Exit 1 if any failed.
 set -u
@@ -41,6 +43,7 @@ if ! $PY -c "import vllm" 2>/dev/null; then
 fi
 if $PY -c "import vllm" 2>/dev/null; then
   step "tiny model on the GPU with the GPU defaults" 150 $PY bench/gpu_engine_check.py --requests 16 --max-tokens 64
+  step "two models and a LoRA adapter sharing GPU 0" 150 $PY bench/gpu_multi_model_check.py --gpus 1
 else
   echo "=== vLLM not installable here: engine check skipped"
 fi
