@@ -17,6 +17,7 @@ hours, jittered) re-reads everything from the API server to bound drift no watch
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from typing import Any, Awaitable, Mapping
 
@@ -35,6 +36,17 @@ _INODE = {"group": m.GROUP, "version": m.VERSION, "plural": "inferencenodes"}
 _TQUOTA = {"group": m.GROUP, "version": m.VERSION, "plural": "tenantquotas"}
 OURS = {"app.kubernetes.io/managed-by": "zerolayer-operator"}
 FINALIZER = "zerolayer.io/finalizer"
+
+
+def finalizer_for(selector: Mapping[str, str] | None) -> str:
+    """The finalizer this operator puts on its objects: :data:`FINALIZER`, or with ``--selector``
+    ``FINALIZER-<8 hex digits of the selector>``. kopf strips its finalizer from every object its
+    filters exclude, so operators sharding one cluster by selector must not share the name, or each
+    would remove the other's (and its objects would be deleted without their cleanup)."""
+    if not selector:
+        return FINALIZER
+    key = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+    return f"{FINALIZER}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 # How soon a TenantQuota reconcile notices that Cilium was installed (the operator may only get
 # CRDs, not watch them). Idle, nothing reconciles, so this costs nothing then.
 CRD_CACHE_SECONDS = 30.0
@@ -90,7 +102,7 @@ def build_registry(config: OperatorConfig, *, kubeconfig: str | None = None,
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        settings.persistence.finalizer = FINALIZER
+        settings.persistence.finalizer = finalizer_for(selector)
         # kopf's bookkeeping stays in memory: no PATCH per object after each handling (kopfstate.py).
         settings.persistence.progress_storage = state.progress
         settings.persistence.diffbase_storage = state.diffbase

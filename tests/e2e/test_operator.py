@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from tests.e2e.operator_harness import Objects, OperatorProcess, new_run_id
+from tests.e2e.operator_harness import E2E_LABEL, Objects, OperatorProcess, new_run_id
+from zerolayer.operator.handlers import finalizer_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -84,7 +85,8 @@ def test_inference_node_labels_node_runs_runtime_and_reports(cluster, env):
     pods = objects.items("pods", objects.namespace, selector=f"zerolayer.io/inference-node={name}")
     assert [p["spec"]["nodeName"] for p in pods] == [node]
     assert {c["name"] for c in pods[0]["spec"]["containers"]} == {"server", "defragd", "auditor"}
-    assert "zerolayer.io/finalizer" in obj["metadata"]["finalizers"]
+    # this run's operator has --selector: its own finalizer name, never another operator's
+    assert obj["metadata"]["finalizers"] == [finalizer_for({E2E_LABEL: objects.run_id})]
 
     # no heartbeat yet: progressing, not ready, and the status says why
     assert obj["status"]["phase"] == "Progressing"

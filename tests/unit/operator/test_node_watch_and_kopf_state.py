@@ -236,3 +236,12 @@ async def test_a_remembered_kind_is_served_from_our_own_reads_only_when_asked():
     assert len(k.calls) == 1  # the second from our own read
     await k.get("v1", "Node", "n")
     assert len(k.calls) == 2  # not asked for a cached copy: a real read
+
+
+def test_each_selector_has_its_own_finalizer_and_the_default_keeps_the_old_name():
+    from zerolayer.operator.handlers import FINALIZER, finalizer_for
+
+    assert finalizer_for(None) == finalizer_for({}) == FINALIZER == "zerolayer.io/finalizer"
+    a, b = finalizer_for({"team": "a"}), finalizer_for({"team": "b"})
+    assert a != b and a.startswith(FINALIZER + "-") and len(a.split("/")[1]) <= 63
+    assert finalizer_for({"x": "1", "y": "2"}) == finalizer_for({"y": "2", "x": "1"})  # order does not matter
