@@ -1,8 +1,19 @@
-"""The marks every module that runs the real vLLM engine carries (integration tier)."""
+"""What every module that runs the real vLLM engine starts with (integration tier): skip without vLLM,
+then its marks."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+
+
+def require_vllm() -> None:
+    """Skip the calling module when vLLM is not installed (the ``engine`` extra). Importing it makes
+    torch and vLLM warn about themselves, which is not ours to fix."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pytest.importorskip("vllm", reason="the vllm engine extra is not installed")
 
 
 def vllm_marks(timeout: int = 300) -> list:

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import warnings
 from typing import AsyncIterator
 
 import pytest
 import pytest_asyncio
 from runtime_helpers import start_runtime
-from tests.vllm_marks import vllm_marks
+from tests.vllm_marks import require_vllm, vllm_marks
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)  # torch and vLLM warn about themselves on import
-    pytest.importorskip("vllm", reason="the vllm engine extra is not installed")
+require_vllm()
 
 pytestmark = [*vllm_marks(timeout=300), pytest.mark.asyncio(loop_scope="session")]
 REPO = pathlib.Path(__file__).resolve().parents[3]

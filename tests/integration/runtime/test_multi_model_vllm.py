@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import warnings
 from typing import AsyncIterator
 
 import httpx
@@ -25,11 +24,9 @@ import pytest
 import pytest_asyncio
 import yaml
 from runtime_helpers import KEY, start_runtime
-from tests.vllm_marks import vllm_marks
+from tests.vllm_marks import require_vllm, vllm_marks
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    pytest.importorskip("vllm", reason="the vllm engine extra is not installed")
+require_vllm()
 
 pytestmark = [*vllm_marks(timeout=400), pytest.mark.asyncio(loop_scope="session")]
 REPO = pathlib.Path(__file__).resolve().parents[3]
