@@ -29,6 +29,26 @@ def test_fake_gpu_nodes_are_ready_and_labelled_like_gpu_feature_discovery(cluste
         assert ready["Ready"] == "True"
 
 
+def test_fake_nodes_heartbeat_through_leases_like_kubelets(cluster):
+    """kwok renews a 40 s Lease per node every ~10 s (as kubelets do) instead of rewriting Node status."""
+    from datetime import datetime, timezone
+
+    def renewed() -> dict[str, float]:
+        leases = cluster.kubectl_json("get", "leases", "-n", "kube-node-lease")["items"]
+        now = datetime.now(timezone.utc)
+        return {lease["metadata"]["name"]: (now - datetime.fromisoformat(
+                    lease["spec"]["renewTime"].replace("Z", "+00:00"))).total_seconds()
+                for lease in leases if lease["metadata"]["name"].startswith("gpu-node-")}
+
+    first = renewed()
+    assert {"gpu-node-0", "gpu-node-1", "gpu-node-2"} <= set(first)
+    lease = cluster.kubectl_json("get", "lease", "gpu-node-0", "-n", "kube-node-lease")
+    assert lease["spec"]["leaseDurationSeconds"] == 40
+    # Every lease is renewed again within two renew intervals (10 s each, jitter 4 %).
+    cluster.wait_for(lambda: all(age < 25 for age in renewed().values()) or None, timeout=60,
+                     what="every fake node's Lease renewed within 25 s")
+
+
 def test_pods_scheduled_to_fake_nodes_become_running(cluster):
     ns = "e2e-scheduling"
     cluster.kubectl("create", "namespace", ns, check=False)

@@ -270,6 +270,11 @@ class LocalCluster:
                 f"--service-account-private-key-file={p / 'sa.key'}", f"--root-ca-file={p / 'ca.crt'}",
                 f"--cluster-signing-cert-file={p / 'ca.crt'}", f"--cluster-signing-key-file={p / 'ca.key'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}", "--profiling=false", "--v=1",
+                # The defaults (20 requests/s per controller, 2 DaemonSet workers) are sized for small
+                # clusters: with one DaemonSet per node at 1,000 kwok nodes the DaemonSet controller
+                # waited on its own client-side rate limiter for most of each sync and fell minutes
+                # behind. Large clusters raise them the same way (bench/operator_scale.py).
+                "--kube-api-qps=200", "--kube-api-burst=400", "--concurrent-daemonset-syncs=8",
             ], "controller-manager")
             launch("kube-scheduler", [
                 f"--kubeconfig={self.dir / 'scheduler.kubeconfig'}",
