@@ -273,7 +273,7 @@ class LocalCluster:
                 # The defaults (20 requests/s per controller, 2 DaemonSet workers) are sized for small
                 # clusters: with one DaemonSet per node at 1,000 kwok nodes the DaemonSet controller
                 # waited on its own client-side rate limiter for most of each sync and fell minutes
-                # behind. Large clusters raise them the same way (bench/operator_scale.py).
+                # behind (docs/fleet-scale.md). Large clusters raise them the same way.
                 "--kube-api-qps=200", "--kube-api-burst=400", "--concurrent-daemonset-syncs=8",
             ], "controller-manager")
             launch("kube-scheduler", [
