@@ -191,18 +191,14 @@ def main() -> int:
             custom.patch_cluster_custom_object_status(group, version, "inferencenodes", name,
                                                       {"status": {"lastHeartbeat": now}})
 
-        pool = concurrent.futures.ThreadPoolExecutor(8)
-        beats: list[concurrent.futures.Future] = []
-
-        def heartbeats(chunk: list[dict]) -> None:
-            beats.extend(pool.submit(beat, d["metadata"]["name"]) for d in chunk if d["kind"] == "InferenceNode")
-
-        kubectl_apply(cluster, secrets + inodes + tenants, after=heartbeats)
-        created = time.monotonic() - t0
-        at_created = dispatched(cluster, schema) - base
-        for done in beats:
-            done.result()
-        pool.shutdown()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            beats: list[concurrent.futures.Future] = []
+            kubectl_apply(cluster, secrets + inodes + tenants, after=lambda chunk: beats.extend(
+                pool.submit(beat, d["metadata"]["name"]) for d in chunk if d["kind"] == "InferenceNode"))
+            created = time.monotonic() - t0
+            at_created = dispatched(cluster, schema) - base
+            for done in beats:
+                done.result()
 
         def ready_counts() -> tuple[int, int]:
             counts = []

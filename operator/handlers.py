@@ -36,6 +36,16 @@ _INODE = {"group": m.GROUP, "version": m.VERSION, "plural": "inferencenodes"}
 _TQUOTA = {"group": m.GROUP, "version": m.VERSION, "plural": "tenantquotas"}
 OURS = {"app.kubernetes.io/managed-by": "zerolayer-operator"}
 FINALIZER = "zerolayer.io/finalizer"
+# How soon a TenantQuota reconcile notices that Cilium was installed (the operator may only get
+# CRDs, not watch them). Idle, nothing reconciles, so this costs nothing then.
+CRD_CACHE_SECONDS = 30.0
+# Kinds whose every event reaches Kube.observe below (namespaced ones in the runtime namespace).
+WATCHED_KINDS = ((m.API_VERSION, "InferenceNode", False), (m.API_VERSION, "TenantQuota", False),
+                 ("v1", "Service", True), ("v1", "ServiceAccount", True),
+                 ("apps/v1", "DaemonSet", True), ("networking.k8s.io/v1", "NetworkPolicy", True),
+                 ("rbac.authorization.k8s.io/v1", "Role", True), ("rbac.authorization.k8s.io/v1", "RoleBinding", True),
+                 ("rbac.authorization.k8s.io/v1", "ClusterRole", False),
+                 ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", False))
 
 
 def finalizer_for(selector: Mapping[str, str] | None) -> str:
@@ -47,16 +57,6 @@ def finalizer_for(selector: Mapping[str, str] | None) -> str:
         return FINALIZER
     key = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
     return f"{FINALIZER}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-# How soon a TenantQuota reconcile notices that Cilium was installed (the operator may only get
-# CRDs, not watch them). Idle, nothing reconciles, so this costs nothing then.
-CRD_CACHE_SECONDS = 30.0
-# Kinds whose every event reaches Kube.observe below (namespaced ones in the runtime namespace).
-WATCHED_KINDS = ((m.API_VERSION, "InferenceNode", False), (m.API_VERSION, "TenantQuota", False),
-                 ("v1", "Service", True), ("v1", "ServiceAccount", True),
-                 ("apps/v1", "DaemonSet", True), ("networking.k8s.io/v1", "NetworkPolicy", True),
-                 ("rbac.authorization.k8s.io/v1", "Role", True), ("rbac.authorization.k8s.io/v1", "RoleBinding", True),
-                 ("rbac.authorization.k8s.io/v1", "ClusterRole", False),
-                 ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", False))
 
 
 def plain(value: Any) -> Any:
