@@ -3,13 +3,14 @@
 #   operator Deployment:  zerolayer operator ...
 #   runtime pod:          zerolayer runtime ... | zerolayer defragd ... | zerolayer auditor ...
 #
-#   docker build -t zerolayer/zerolayer:0.1.0 .
+#   docker build -t zerolayer/zerolayer:0.1.0-gpu .
 #
 # Pinned: the CUDA base (vLLM 0.32's wheels use torch 2.13 built for CUDA 13.0; the driver comes from
 # the host through the NVIDIA container toolkit) and vLLM itself. Bump them together.
 #
-# Not built in this repository's CI: its machines have no Docker engine and no GPU. The `cpu` flavour
-# that the tests run is built without Docker by hack/build-image.sh (docs/image.md).
+# Not built or tested here: this project's machines have no Docker engine. The GPU image that is built
+# and checked here is `hack/build-image.sh --flavour gpu` (the same vLLM from PyPI, with the CUDA libraries
+# its wheels bring, on Debian instead of this CUDA base); `hack/push-images.sh` pushes it (docs/image.md).
 ARG CUDA_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
 ARG VLLM_VERSION=0.32.0
 
@@ -24,7 +25,7 @@ COPY operator operator
 COPY runtime runtime
 COPY client client
 COPY bpf bpf
-# systemtap-sdt-dev above: the wheel carries the runtime's USDT probe extension (bpf/_probes.c).
+# systemtap-sdt-dev above: the wheel carries the runtime's USDT probe extension (bpf/zerolayer/bpf/_probes.c).
 RUN python3 -m venv /opt/build && /opt/build/bin/pip wheel --no-cache-dir --no-deps -w /wheels .
 
 FROM ${CUDA_IMAGE}

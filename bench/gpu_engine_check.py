@@ -91,7 +91,7 @@ def main() -> int:
         return 2
     model = args.model
     if model is None:
-        from zerolayer.runtime import tinymodel
+        from zerolayer.runtime.node import tinymodel
 
         model = str(tinymodel.generate(pathlib.Path(tempfile.gettempdir()) / "zerolayer-tiny-llama"))
     rows = asyncio.run(run(model, args.requests, args.max_tokens))

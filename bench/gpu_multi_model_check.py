@@ -36,7 +36,7 @@ def inference_node(base: pathlib.Path, other: pathlib.Path, adapter: pathlib.Pat
 async def run(node: dict) -> list[tuple[str, Any]]:
     from zerolayer.runtime.config import build_engine, parse_config
     from zerolayer.runtime.engine.base import SamplingOptions
-    from zerolayer.runtime.incluster import config_from_inferencenode
+    from zerolayer.runtime.node.incluster import config_from_inferencenode
 
     mapping = config_from_inferencenode(node)
     mapping["tenants"] = [{"name": "check", "keys": [{"sha256": "0" * 64}]}]
@@ -78,7 +78,7 @@ def main() -> int:
     except ImportError:
         print("vLLM is not installed: multi-model check skipped", file=sys.stderr)
         return 2
-    from zerolayer.runtime import tinymodel
+    from zerolayer.runtime.node import tinymodel
 
     root = pathlib.Path(tempfile.gettempdir()) / "zerolayer-multi-model-check"
     base = tinymodel.generate(root / "base")

@@ -16,7 +16,7 @@ when it starts). Measured after start-up settles:
   tenant's key took to be accepted by every runtime;
 - the runtime processes' CPU over the idle period.
 
-Before issue 16 a runtime polled (runtime/incluster.py at 936c2e1): LIST TenantQuotas and GET the key
+Before issue 16 a runtime polled (runtime/node/incluster.py at 936c2e1): LIST TenantQuotas and GET the key
 Secret every 10 s, GET its InferenceNode every 10 s, and re-LISTed every InferenceNode each 60 s, i.e.
 0.33 requests/s per runtime whatever happened; the table shows that figure beside the measured one.
 The cluster is reused when running (``ZEROLAYER_STATE``), else brought up and taken down again.

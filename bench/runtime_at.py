@@ -34,10 +34,11 @@ def export(rev: str, dest: pathlib.Path) -> str:
     package = dest / "py" / "zerolayer"
     shutil.copytree(src / "zerolayer", package)
     for name, folder in MAPPED.items():
-        (package / name).symlink_to(src / folder, target_is_directory=True)
+        portion = src / folder / "zerolayer" / name  # the layout since the namespace portions
+        (package / name).symlink_to(portion if portion.is_dir() else src / folder, target_is_directory=True)
     # The optional USDT extension is built in place, never committed: reuse the working tree's build.
-    for built in (REPO / "bpf").glob("_probes*.so"):
-        shutil.copy(built, src / "bpf" / built.name)
+    for built in (REPO / "bpf" / "zerolayer" / "bpf").glob("_probes*.so"):
+        shutil.copy(built, package / "bpf" / built.name)
     return commit
 
 

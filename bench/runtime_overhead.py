@@ -350,13 +350,13 @@ async def main() -> int:
     parser.add_argument("--throughput-requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--engine", choices=("synthetic", "vllm"), default="synthetic",
-                        help="vllm: the tiny generated model (python -m zerolayer.runtime.tinymodel) on vLLM")
+                        help="vllm: the tiny generated model (python -m zerolayer.runtime.node.tinymodel) on vLLM")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
     global ENGINE
     ENGINE = args.engine
     if ENGINE == "vllm":
-        from zerolayer.runtime import tinymodel
+        from zerolayer.runtime.node import tinymodel
 
         tinymodel.generate(TINY_MODEL)
     results = {}

@@ -1,6 +1,6 @@
 """An in-process node: the server's calls around the scheduler, without sockets.
 
-``InProcessNode`` does for one request exactly what ``runtime/app.py`` does around the
+``InProcessNode`` does for one request exactly what ``runtime/serving/app.py`` does around the
 scheduler — ``admit`` at HEADERS (prompt estimate, ``max_tokens=0``), ``admit`` at body with
 the exact counts, generate with ``Admission.engine_priority``, ``settle`` with prompt + output
 tokens — and samples the engine's KV-cache use through the real ``CpuSource`` in a

@@ -1,6 +1,6 @@
 """zerolayer against `vllm serve` and against LiteLLM's proxy in front of it, driven by `vllm bench serve`.
 
-Same model (the tiny generated Llama, random weights: ``python -m zerolayer.runtime.tinymodel``),
+Same model (the tiny generated Llama, random weights: ``python -m zerolayer.runtime.node.tinymodel``),
 same engine settings (max_model_len 1024, max_num_seqs 16, a 64 MiB KV cache, eager, float32,
 vLLM's priority scheduling policy, which zerolayer always sets), same client, three stacks:
 
@@ -276,7 +276,7 @@ def main() -> int:
                         help="LiteLLM's virtual environment ('' to skip LiteLLM)")
     parser.add_argument("--name", default="vs_vllm_serve")
     args = parser.parse_args()
-    from zerolayer.runtime import tinymodel
+    from zerolayer.runtime.node import tinymodel
 
     tinymodel.generate(MODEL_DIR)
     venv = pathlib.Path(args.litellm) if args.litellm else None

@@ -11,7 +11,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "real nodes need root (kubelet, containerd, iptables)" >&2; exit 1; }
 
-python3 -m pip install -q -e .
+python3 -m pip install -q --root-user-action=ignore -e .
+# Real nodes join a local cluster only when its control plane starts. A running one without a real node
+# (what examples/quickstart.sh leaves up; it holds only what that script put there) is taken down first.
+if zerolayer cluster status -o json | python3 -c 'import json, sys; s = json.load(sys.stdin)
+sys.exit(0 if s["running"] and not s.get("real_nodes") else 1)'; then
+  echo "a local cluster without a real node is running (the kwok quick start's): taking it down to start one with a real node"
+  zerolayer cluster down
+fi
 zerolayer cluster up --nodes 0 --real-nodes 1
 eval "$(zerolayer cluster env)"   # KUBECONFIG plus the matching kubectl and helm on PATH
 NS=zerolayer-system RUNTIME_NS=zerolayer-system-runtime NODE=real-node-0
@@ -20,7 +27,7 @@ read -r TAG ARCHIVE < <(bash hack/build-image.sh)          # built or cached
 zerolayer cluster import-image "$ARCHIVE"                  # into the node's containerd (~2 min for 6 GB)
 
 MODEL=/var/lib/zerolayer/quickstart-models/tiny-llama      # a directory on the node (this host)
-[ -f "$MODEL/config.json" ] || python3 -m zerolayer.runtime.tinymodel "$MODEL"
+[ -f "$MODEL/config.json" ] || python3 -m zerolayer.runtime.node.tinymodel "$MODEL"
 chmod -R a+rX /var/lib/zerolayer/quickstart-models         # the server runs as uid 65532
 
 # The runtime's egress policy names the API server's own address and port (Services are DNATed first).
@@ -71,7 +78,7 @@ kubectl get zerolayer
 echo; echo "== the server container's log"
 kubectl logs -n "$RUNTIME_NS" "$POD" -c server --tail=3
 echo; echo "== a request to the runtime pod at $POD_IP over HTTP/2 (tenant team-a, the real tiny vLLM)"
-curl -sS --retry 3 --http2-prior-knowledge -w '\n(HTTP/%{http_version} %{http_code})\n' "http://$POD_IP:8443/v1/messages" \
+curl -sS --fail-with-body --http2-prior-knowledge -w '\n(HTTP/%{http_version} %{http_code})\n' "http://$POD_IP:8443/v1/messages" \
     -H 'x-api-key: zl-team-a-example-key-1' \
     -d '{"model":"tiny-llama","max_tokens":8,"messages":[{"role":"user","content":"hello"}]}'
 echo

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m pip install -q -e .
+python3 -m pip install -q --root-user-action=ignore -e .
 zerolayer cluster up --nodes 3
 eval "$(zerolayer cluster env)"   # KUBECONFIG plus the matching kubectl and helm on PATH
 NS=zerolayer-system            # the chart's release: the operator's namespace
@@ -35,11 +35,11 @@ echo "waiting for the InferenceNodes to be Ready (operator reconciles, runtimes 
 kubectl wait --for=condition=Ready inferencenode/gpu-node-0 inferencenode/gpu-node-1 --timeout=120s
 kubectl wait --for=condition=Ready tenantquota --all --timeout=60s
 # Ready means the operator published the tenant's key hashes (Secret zl-tenant-keys); each runtime
-# picks them up at its next tenant sync (every 2 s here).
-# --retry: a node's first request for a tenant (and the first after 10 s idle there) is a 429 with
-# retry-after 1 s while the node claims its share of the tenant's fleet-wide limit (docs/fleet-scale.md).
+# picks them up at its next tenant sync (every 2 s here): until then it answers 401, hence the wait
+# below. A node's first request for a tenant is admitted at once under a small credit while the node
+# claims its share of the tenant's fleet-wide limit (docs/fleet-scale.md), so no retry is needed.
 ask() {
-    curl -sS --retry 3 --http2-prior-knowledge "http://127.0.0.1:$1/v1/messages" \
+    curl -sS --http2-prior-knowledge "http://127.0.0.1:$1/v1/messages" \
         -H 'x-api-key: zl-team-a-example-key-1' -H 'x-zerolayer-priority: high' \
         -d '{"model":"tiny-llama","max_tokens":8,"messages":[{"role":"user","content":"hello"}]}' "${@:2}"
 }

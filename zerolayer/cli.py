@@ -11,14 +11,14 @@ import argparse
 import importlib
 import sys
 
-from zerolayer import __version__
+from zerolayer.version import __version__
 
 # Order is the order shown in --help.
 COMMAND_MODULES = [
     "zerolayer.cluster.cli",
     "zerolayer.operator.cli",
     "zerolayer.runtime.cli",
-    "zerolayer.runtime.fetch_model",
+    "zerolayer.runtime.node.fetch_model",
     "zerolayer.map_cli",
     "zerolayer.runtime.defrag.cli",
     "zerolayer.bpf.cli",

@@ -11,7 +11,9 @@ Reading rules (docs/gpu-map.md), applied here so that every reader agrees:
 - a node whose ``status.lastHeartbeat`` is older than its ``spec.gossip.staleAfterSeconds``
   (default 30 s), or that never published, is **stale** and does not admit;
 - a GPU whose utilisation is above the node's ``spec.scheduler.utilizationThreshold``
-  (default 0.95) is taken out of the admitting set, whatever the runtime published;
+  (default 0.95) is taken out of the admitting set, whatever the runtime published, unless the
+  node publishes ``pressureSignal: kvCache``: its engine (vLLM) keeps the GPU busy and holds its
+  memory from start, so utilisation is no load signal and admission follows the KV cache;
 - a node admits when its runtime says so, it is fresh, it has an endpoint and (when it
   reports GPUs) at least one GPU admits.
 
@@ -113,6 +115,16 @@ class NodeEntry:
     running: int | None = None
     waiting: int | None = None
     kv_cache_usage: float | None = None
+    prefix_cache: Mapping[str, Any] | None = None  # status.prefixCache as published (docs/routing.md)
+    pressure_signal: str | None = None  # status.pressureSignal: kvCache | gpuMemory (None: not published)
+
+    @property
+    def prefix_blocks(self) -> int | None:
+        return _int((self.prefix_cache or {}).get("blocks"))
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return _num((self.prefix_cache or {}).get("hitRate"))
 
     @property
     def gpus_admitting(self) -> str:
@@ -127,6 +139,7 @@ class NodeEntry:
             "ageSeconds": None if self.age_s is None else round(self.age_s, 3),
             "gpusAdmitting": self.gpus_admitting, "memoryPercent": self.memory_percent,
             "load": {"running": self.running, "waiting": self.waiting, "kvCacheUsage": self.kv_cache_usage},
+            **({"prefixCache": dict(self.prefix_cache)} if self.prefix_cache is not None else {}),
             "gpus": [{
                 "uuid": g.uuid, "index": g.index, "name": g.name, "memoryUsedBytes": g.memory_used_bytes,
                 "memoryTotalBytes": g.memory_total_bytes, "utilization": g.utilization,
@@ -170,7 +183,11 @@ def node_from_object(obj: Mapping[str, Any], now: float | None = None) -> NodeEn
     gossip = spec.get("gossip") or {}
     stale_after = _num(gossip.get("staleAfterSeconds")) or DEFAULT_STALE_AFTER_S
     threshold = _num((spec.get("scheduler") or {}).get("utilizationThreshold")) or DEFAULT_UTILIZATION_THRESHOLD
-    gpus = tuple(_gpu_entry(g, threshold) for g in status.get("gpus") or () if isinstance(g, Mapping))
+    signal = status.get("pressureSignal") if isinstance(status.get("pressureSignal"), str) else None
+    # Under kvCache the runtime's per-GPU verdict already follows the engine's KV cache; utilisation
+    # (~100 % on a busy vLLM GPU) would take every serving GPU out of the map.
+    gpu_threshold = float("inf") if signal == "kvCache" else threshold
+    gpus = tuple(_gpu_entry(g, gpu_threshold) for g in status.get("gpus") or () if isinstance(g, Mapping))
     heartbeat = parse_rfc3339(status.get("lastHeartbeat"))
     age = None if heartbeat is None else max(0.0, now - heartbeat)
     stale = age is None or age > stale_after
@@ -195,6 +212,8 @@ def node_from_object(obj: Mapping[str, Any], now: float | None = None) -> NodeEn
         age_s=age, stale_after_s=stale_after, utilization_threshold=threshold, gpus=gpus,
         memory_percent=_int(status.get("memoryPercent")), running=_int(load.get("running")),
         waiting=_int(load.get("waiting")), kv_cache_usage=_num(load.get("kvCacheUsage")),
+        prefix_cache=status["prefixCache"] if isinstance(status.get("prefixCache"), Mapping) else None,
+        pressure_signal=signal,
     )
 
 
@@ -323,7 +342,7 @@ class GpuMapWatcher:
         heartbeat events at all. None: watch from :meth:`start` to :meth:`stop`."""
         self._api = api if api is not None else load_custom_objects_api(kubeconfig)
         self._on_change = on_change
-        self._options = dict(label_selector=label_selector, retry_s=retry_s, watch_timeout_s=watch_timeout_s)
+        self._label_selector, self._retry_s, self._watch_timeout_s = label_selector, retry_s, watch_timeout_s
         self._on_demand_idle_s = on_demand_idle_s
         self._guard = threading.Lock()
         self._last_used = 0.0
@@ -336,7 +355,8 @@ class GpuMapWatcher:
         from zerolayer.kubewatch import WatchLoop
 
         return WatchLoop(self._api.list_cluster_custom_object, GROUP, VERSION, PLURAL, name="gpumap",
-                         on_change=self._changed, **self._options)
+                         on_change=self._changed, label_selector=self._label_selector,
+                         retry_s=self._retry_s, watch_timeout_s=self._watch_timeout_s)
 
     @property
     def counters(self) -> Any:

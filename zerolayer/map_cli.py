@@ -29,18 +29,19 @@ def _node_rows(node: NodeEntry) -> list[list[str]]:
     state = "yes" if node.admitting else f"NO ({node.reason})"
     age = "-" if node.age_s is None else f"{node.age_s:.1f}s"
     load = "-" if node.running is None else f"{node.running}/{node.waiting} kv {_opt(node.kv_cache_usage, '.0%')}"
+    prefix = "-" if node.prefix_blocks is None else f"{node.prefix_blocks} hit {_opt(node.prefix_hit_rate, '.0%')}"
     rows = [[node.name, node.endpoint or "-", state, age, node.gpus_admitting,
-             "-" if node.memory_percent is None else f"{node.memory_percent}%", load, "", "", "", "", "", ""]]
+             "-" if node.memory_percent is None else f"{node.memory_percent}%", load, "", "", "", "", "", "", prefix]]
     for g in node.gpus:
         rows.append(["", f"  gpu{g.index} {g.name}".rstrip(), "yes" if g.admitting else "NO", "", "",
                      f"{g.memory_fraction:.0%}", "", f"{_gib(g.memory_used_bytes)}/{_gib(g.memory_total_bytes)}",
                      _opt(g.utilization, ".0%"), _opt(g.power_watts, ".0f"), _opt(g.temperature_c, ".0f"),
-                     _opt(g.fragmentation, ".0%"), "-" if g.nvlink_errors is None else str(g.nvlink_errors)])
+                     _opt(g.fragmentation, ".0%"), "-" if g.nvlink_errors is None else str(g.nvlink_errors), ""])
     return rows
 
 
 HEADER = ["NODE", "ENDPOINT / GPU", "ADMITTING", "HEARTBEAT", "GPUS", "MEM", "RUN/WAIT", "GiB", "UTIL", "W",
-          "°C", "FRAG", "NVLINK-ERR"]
+          "°C", "FRAG", "NVLINK-ERR", "PREFIX-BLOCKS"]
 
 
 def render_table(fleet: FleetMap) -> str:

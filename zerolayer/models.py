@@ -12,6 +12,12 @@ so one pure module states the contract:
   restarts); one complete snapshot per repository and revision lives at
   ``<cache>/<cache_entry(repo, revision)>``. The server mounts exactly that entry.
 
+LoRA adapters load and unload in the running engine (vLLM's dynamic LoRA) when the pod already
+sees their weights, so adding one needs no new volume and rolls no pod (:func:`live_adapter`): a
+``path`` source, or a ``hostPath`` under :data:`ADAPTERS_HOST_DIR`, which every vLLM runtime pod
+mounts read-only at the same path. Other adapter sources get a volume of their own, so adding one
+changes the pod.
+
 A ``source`` written as a bare string (the form before typed sources) means ``{path: ...}``:
 objects stored under the older CRD keep working (docs/runtime.md, "Model sources").
 """
@@ -24,6 +30,7 @@ from typing import Any, Mapping
 
 MODELS_ROOT = "/models"
 CACHE_HOST_DIR = "/var/lib/zerolayer/models"  # on the node; also where the fetcher sees it
+ADAPTERS_HOST_DIR = "/var/lib/zerolayer/adapters"  # on the node and, read-only, in every vLLM runtime pod
 SOURCE_KINDS = ("path", "hostPath", "pvc", "huggingFace")
 DEFAULT_REVISION = "main"
 DEFAULT_TOKEN_KEY = "token"
@@ -69,11 +76,30 @@ def source_kind(source: Any) -> str:
     return kinds[0]
 
 
+def under_adapters_dir(source: Any) -> bool:
+    """Whether ``source`` is a ``hostPath`` inside :data:`ADAPTERS_HOST_DIR` (no ``..``, not the
+    directory itself): the pod reads it there without a volume of its own."""
+    typed = normalise_source(source)
+    path = str((typed.get("hostPath") or {}).get("path") or "")
+    return path.startswith(ADAPTERS_HOST_DIR + "/") and ".." not in path.split("/") and \
+        path.rstrip("/") != ADAPTERS_HOST_DIR
+
+
+def live_adapter(adapter: Mapping[str, Any]) -> bool:
+    """Whether a LoRA adapter (a ``models[].loras[]`` entry) is read where the pod already looks: a
+    ``path`` source or a hostPath under :data:`ADAPTERS_HOST_DIR`. Adding or removing such an
+    adapter changes no pod; the runtime loads it into the running engine."""
+    source = normalise_source(adapter.get("source"))
+    return source_kind(source) == "path" or under_adapters_dir(source)
+
+
 def container_path(model: Mapping[str, Any]) -> str:
     """Where the server container finds the weights of ``model`` (an InferenceNode ``models[]`` entry)."""
     source = normalise_source(model.get("source"))
     if source_kind(source) == "path":
         return str(source["path"])
+    if under_adapters_dir(source):
+        return str(source["hostPath"]["path"])
     return f"{MODELS_ROOT}/{model_dir(str(model['name']))}"
 
 

@@ -42,8 +42,10 @@ class OperatorProcess:
     not depend on it, so tests leave it at an hour)."""
 
     def __init__(self, cluster, namespace: str, run_id: str, log_dir: pathlib.Path, resync: float = 3600.0,
-                 identity: str | None = None, lease_seconds: float | None = None):
+                 identity: str | None = None, lease_seconds: float | None = None,
+                 env: dict[str, str] | None = None):
         self.cluster, self.namespace, self.run_id = cluster, namespace, run_id
+        self.extra_env = dict(env or {})  # the chart's ZEROLAYER_* settings
         self.identity = identity or f"op-{run_id}"
         self.log_path = log_dir / f"operator-{run_id}-{self.identity}.log"
         self.resync, self.lease_seconds = resync, lease_seconds
@@ -63,7 +65,8 @@ class OperatorProcess:
         log = open(self.log_path, "a")
         log.write(f"\n===== start {self.starts} =====\n")
         log.flush()
-        env = dict(self.cluster.env(), ZEROLAYER_RUNTIME_RESOURCES='{"requests": {"cpu": "100m", "memory": "128Mi"}}')
+        env = dict(self.cluster.env(), ZEROLAYER_RUNTIME_RESOURCES='{"requests": {"cpu": "100m", "memory": "128Mi"}}',
+                   **self.extra_env)
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self.starts += 1

@@ -55,10 +55,10 @@ def images_on_node(cluster: RealCluster) -> str:
 # ------------------------------------------------------------------ model
 def tiny_model(parent: pathlib.Path, name: str = "tiny", seed: int = 0, init_std: float = 0.02) -> pathlib.Path:
     """The generated tiny Llama model in ``parent/<name>`` (``seed``, ``init_std``: its random weights,
-    see :func:`zerolayer.runtime.tinymodel.generate`), world-readable (the server runs as uid 65532;
+    see :func:`zerolayer.runtime.node.tinymodel.generate`), world-readable (the server runs as uid 65532;
     a hostPath volume keeps the host's modes)."""
     out = parent / name
-    subprocess.run(["python3", "-c", "import sys; from zerolayer.runtime import tinymodel; "
+    subprocess.run(["python3", "-c", "import sys; from zerolayer.runtime.node import tinymodel; "
                     "tinymodel.generate(sys.argv[1], seed=int(sys.argv[2]), init_std=float(sys.argv[3]))",
                     str(out), str(seed), str(init_std)],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
@@ -69,7 +69,7 @@ def tiny_model(parent: pathlib.Path, name: str = "tiny", seed: int = 0, init_std
 def tiny_adapter(parent: pathlib.Path, base: pathlib.Path, name: str) -> pathlib.Path:
     """A LoRA adapter (random A/B, PEFT layout) for the tiny model ``base``, in ``parent/<name>``."""
     out = parent / name
-    subprocess.run(["python3", "-c", "import sys; from zerolayer.runtime import tinymodel; "
+    subprocess.run(["python3", "-c", "import sys; from zerolayer.runtime.node import tinymodel; "
                     "tinymodel.generate_lora(sys.argv[1], sys.argv[2])", str(base), str(out)],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
     _readable(parent, out)
@@ -168,6 +168,7 @@ def make_tls(node_pod_cidr: str, dns_names: list[str]) -> tuple[bytes, bytes, by
 
 # ------------------------------------------------------------------ host paths
 AUDIT_HOST_DIR = pathlib.Path("/var/lib/zerolayer/audit")  # the auditor's hostPath (operator/manifests.py AUDIT_DB)
+ADAPTERS_HOST_DIR = pathlib.Path("/var/lib/zerolayer/adapters")  # zerolayer.models.ADAPTERS_HOST_DIR
 
 
 def remove_if_created(path: pathlib.Path, existed: bool) -> None:

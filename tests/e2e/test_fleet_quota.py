@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import threading
 import time
 
@@ -94,7 +95,8 @@ def test_requests_per_minute_hold_across_runtimes_and_restarts(cluster, fleet):
         stop.wait(5)
         stop.set()
     times = [t for t, _ in served]
-    assert max_in_window(times) <= LIMIT, f"{max_in_window(times)} requests in one minute across the fleet"
+    # The bound (docs/fleet-scale.md): the limit plus one credit (5 %, at least 1 request) per node that used it.
+    assert max_in_window(times) <= LIMIT + len(runtimes) * max(1, math.ceil(0.05 * LIMIT)), f"{max_in_window(times)} requests in one minute"
     quota = cluster.kubectl_json("get", "tenantquota", tenant)
     claims = quota["status"]["fleetQuota"]["nodes"]
     assert sum(c.get("requests", 0) for c in claims.values()) <= LIMIT

@@ -211,7 +211,9 @@ def test_crd_upgrade_hook_step(cluster, tmp_path):
                                "--kubeconfig", str(kubeconfig)], capture_output=True, text=True, timeout=120,
                               env=cluster.env())
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "applied and established: inferencenodes.zerolayer.io, tenantquotas.zerolayer.io" in proc.stdout
+        applied = proc.stdout.split("applied and established: ", 1)[1].split("\n", 1)[0].split(", ")
+        assert sorted(applied) == ["inferencefleets.zerolayer.io", "inferencenodes.zerolayer.io",
+                                   "tenantquotas.zerolayer.io"], proc.stdout
         assert served_fields() == set(spec_props)  # the chart's schema again, the dropped field included
         crd = cluster.kubectl_json("get", "crd", crd_name, "--show-managed-fields")
         managers = {f["manager"] for f in crd["metadata"]["managedFields"]}

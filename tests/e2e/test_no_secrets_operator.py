@@ -185,7 +185,8 @@ def test_keys_and_hashes_stay_where_they_belong(cluster, env, capsys):
     keys = [f"sk-zl-marker-{uuid.uuid4().hex}", f"sk-zl-marker-{uuid.uuid4().hex}"]
     secret, tq = f"keys-{run}", f"nosec-{run}"
     create(cluster, {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                     "metadata": {"name": secret, "namespace": tenant_ns},
+                     # in a tenant namespace, so it opts in to being read for this tenant (docs/security.md, 37)
+                     "metadata": {"name": secret, "namespace": tenant_ns, "labels": {"zerolayer.io/tenant-keys": tq}},
                      "data": {"api-keys": base64.b64encode(f"{keys[0]}\n{keys[1]}\n".encode()).decode()}})
     quota = objects.tenant_quota(tq, secret, namespaces=(tenant_ns,))
     quota["spec"]["apiKeySecretRef"]["namespace"] = tenant_ns
@@ -208,7 +209,7 @@ def test_keys_and_hashes_stay_where_they_belong(cluster, env, capsys):
     failures = []
     other = f"other-{run}"
     create(cluster, {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                     "metadata": {"name": other, "namespace": tenant_ns},
+                     "metadata": {"name": other, "namespace": tenant_ns, "labels": {"zerolayer.io/tenant-keys": tq}},
                      "data": {"api-keys": base64.b64encode(b"\xff\xfe" + keys[0].encode() + b"\n").decode()}})
     for reason, ref in (("KeyMissing", {"name": secret, "key": "no-such-entry"}),
                         ("SecretMissing", {"name": f"missing-{run}"}),

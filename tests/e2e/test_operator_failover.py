@@ -94,16 +94,27 @@ def test_standby_takes_over_from_a_killed_leader_and_nothing_acts_twice(cluster,
     # exactly one of each child, owned by its object
     owners = {o["metadata"]["uid"]: o for o in objects.ours()}
     count: collections.Counter = collections.Counter()
+    model_services = []  # one per served model, owned by every InferenceNode that serves it
     for kind, namespace in (("daemonsets", objects.namespace), ("serviceaccounts", objects.namespace),
                             ("services", objects.namespace), ("networkpolicies", objects.namespace),
                             ("roles", objects.namespace), ("rolebindings", objects.namespace),
                             ("clusterroles", None), ("clusterrolebindings", None)):
         for child in objects.items(kind, namespace, selector=MANAGED):
             refs = [r["uid"] for r in child["metadata"].get("ownerReferences") or () if r["uid"] in owners]
-            if refs:
+            if kind == "services" and child["metadata"]["name"].startswith("zl-model-"):
+                model_services.append((child["metadata"]["name"], set(refs)))
+            elif refs:
                 count[(kind, refs[0])] += 1
     assert set(count.values()) == {1}
     assert len(count) == COUNT * 8 + COUNT  # 8 children per InferenceNode, a NetworkPolicy per tenant
+    inode_uids = {uid for uid, o in owners.items() if o["kind"] == "InferenceNode"}
+    assert [name for name, _ in model_services] == ["zl-model-tiny"]
+
+    def model_service_owned_by_all():  # its ownerReferences follow InferenceNodes as they are reconciled
+        (svc,) = [c for c in objects.items("services", objects.namespace, selector=MANAGED)
+                  if c["metadata"]["name"] == "zl-model-tiny"]
+        return {r["uid"] for r in svc["metadata"].get("ownerReferences") or ()} == inode_uids or None
+    cluster.wait_for(model_service_owned_by_all, timeout=60, interval=2, what="zl-model-tiny owned by every InferenceNode")
 
     # nothing acted twice: every child's creation was reported once, by whichever replica made it
     created: collections.Counter = collections.Counter()

@@ -76,17 +76,29 @@ def test_sigkill_five_times_leaves_exactly_one_of_each_child(cluster, env):
     # exactly one of each child, named after its owner
     owners = {o["metadata"]["uid"]: o for o in objects.ours()}
     count = collections.Counter()
+    model_services = []  # one per served model, owned by every InferenceNode that serves it
     for kind, namespace in (("daemonsets", objects.namespace), ("serviceaccounts", objects.namespace),
                             ("services", objects.namespace), ("networkpolicies", objects.namespace),
                             ("roles", objects.namespace), ("rolebindings", objects.namespace),
                             ("clusterroles", None), ("clusterrolebindings", None)):
         for child in objects.items(kind, namespace, selector=MANAGED):
             refs = child["metadata"].get("ownerReferences") or []
+            if kind == "services" and child["metadata"]["name"].startswith("zl-model-"):
+                model_services.append(child)
+                continue
             if namespace is None and not any(r["uid"] in owners for r in refs) and \
                     not child["metadata"]["name"].startswith(tuple(f"zl-runtime-{n}" for n in inodes)):
                 continue  # another run's cluster-scoped child
             assert len(refs) == 1 and refs[0]["uid"] in owners, f"orphan {kind} {child['metadata']['name']}"
             count[(kind, refs[0]["uid"])] += 1
+    inode_uids = {uid for uid, o in owners.items() if o["kind"] == "InferenceNode"}
+    assert [svc["metadata"]["name"] for svc in model_services] == ["zl-model-tiny"]
+
+    def model_service_owned_by_all():  # its ownerReferences follow InferenceNodes as they are reconciled
+        (svc,) = [c for c in objects.items("services", objects.namespace, selector=MANAGED)
+                  if c["metadata"]["name"] == "zl-model-tiny"]
+        return {r["uid"] for r in svc["metadata"].get("ownerReferences") or ()} == inode_uids or None
+    cluster.wait_for(model_service_owned_by_all, timeout=60, interval=2, what="zl-model-tiny owned by every InferenceNode")
     per_inode = ("daemonsets", "serviceaccounts", "services", "networkpolicies", "roles", "rolebindings",
                  "clusterroles", "clusterrolebindings")
     per_tenant = ("networkpolicies",)  # runtimes read published hashes: no per-tenant Role any more

@@ -6,7 +6,8 @@ chart (the operator runs as a pod from that image), two TenantQuotas, and an Inf
 serves the generated tiny Llama model from a hostPath with the real vLLM engine. Then, in order:
 the pod with server, defragd and auditor ready; the official Anthropic SDK through the pod IP;
 the NetworkPolicy truth table and how long a TenantQuota's deletion takes to revoke; a SIGKILLed
-server restarted without losing an audited token; SIGTERM draining an in-flight stream; and the
+server restarted without losing an audited token; SIGTERM draining an in-flight stream; a model
+change rolling the pod while a stream started before it completes (issue 25); and the
 TLS roll with HTTPS probes and ALPN h2. Measured times are printed and summed up at the end
 (docs/real-nodes.md).
 
@@ -64,6 +65,7 @@ class Stack:
     a: Tenant
     b: Tenant
     times: dict[str, float] = dataclasses.field(default_factory=dict)
+    model_path: pathlib.Path | None = None  # the tiny model's host folder (adapters are made for it)
     # What tenant a's clients received, summed over every answered request of this module.
     received: dict[str, int] = dataclasses.field(default_factory=lambda: {"input": 0, "output": 0, "requests": 0})
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -73,7 +75,21 @@ class Stack:
         def one():
             ready = [p for p in h.pods(self.cluster, RUNTIME_NS, SELECTOR) if h.ready(p)]
             return ready[0] if len(ready) == 1 else None
-        return self.cluster.wait_for(one, timeout=POD_READY_S, interval=1, what="the runtime pod Ready")
+        try:
+            return self.cluster.wait_for(one, timeout=POD_READY_S, interval=1, what="the runtime pod Ready")
+        except AssertionError:
+            self.explain()
+            raise
+
+    def explain(self) -> None:
+        """Print why no runtime pod is Ready: each one's container states and the server's last lines."""
+        for pod in h.pods(self.cluster, RUNTIME_NS, SELECTOR):
+            name = pod["metadata"]["name"]
+            for status in (pod.get("status") or {}).get("containerStatuses") or ():
+                print(f"[explain] {name}/{status['name']}: ready={status.get('ready')} "
+                      f"restarts={status.get('restartCount')} state={status.get('state')}")
+            log = self.cluster.kubectl("logs", "-n", RUNTIME_NS, name, "-c", "server", "--tail=30", check=False)
+            print(f"[explain] {name} server log:\n{log.stdout}{log.stderr}")
 
     def record(self, message) -> None:
         with self.lock:
@@ -125,9 +141,10 @@ def stack(_real_cluster_session, tmp_path_factory):
     second = h.tiny_model(models, SECOND, seed=7, init_std=0.5)  # greedy output that is its own, not an echo
     adapter = h.tiny_adapter(models, model, ADAPTER)
     audit_existed = h.AUDIT_HOST_DIR.exists()
+    adapters_existed = h.ADAPTERS_HOST_DIR.exists()  # the LoRA-on pod's hostPath (DirectoryOrCreate)
     a = Tenant(f"tenant-a-{run}", "tenant-a", f"sk-a-{uuid.uuid4().hex}")
     b = Tenant(f"tenant-b-{run}", "tenant-b", f"sk-b-{uuid.uuid4().hex}")
-    s = Stack(cluster, a, b)
+    s = Stack(cluster, a, b, model_path=model)
     api_ip, api_port = _api_server_endpoint(cluster)
     values = tmp_path_factory.mktemp("chart") / "values.json"
     values.write_text(json.dumps({
@@ -178,12 +195,16 @@ def stack(_real_cluster_session, tmp_path_factory):
     finally:
         _summary(s)
         cluster.kubectl("delete", "inferencenode", INODE, "--wait=false", check=False)
-        cluster.wait_for(lambda: not h.pods(cluster, RUNTIME_NS, SELECTOR), timeout=90, interval=1,
-                         what="the runtime pod gone") if cluster.local.is_running() else None
-        cluster.kubectl("delete", "tenantquota", a.quota, b.quota, "--ignore-not-found", "--wait=false", check=False)
-        cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NS, "--wait", "--timeout", "60s", check=False)
-        shutil.rmtree(models, ignore_errors=True)
-        h.remove_if_created(h.AUDIT_HOST_DIR, audit_existed)
+        try:
+            cluster.wait_for(lambda: not h.pods(cluster, RUNTIME_NS, SELECTOR), timeout=90, interval=1,
+                             what="the runtime pod gone") if cluster.local.is_running() else None
+        finally:  # the host paths go whatever happened to the pod (the cluster's teardown stops it)
+            cluster.kubectl("delete", "tenantquota", a.quota, b.quota, "--ignore-not-found", "--wait=false",
+                            check=False)
+            cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NS, "--wait", "--timeout", "60s", check=False)
+            shutil.rmtree(models, ignore_errors=True)
+            h.remove_if_created(h.AUDIT_HOST_DIR, audit_existed)
+            h.remove_if_created(h.ADAPTERS_HOST_DIR, adapters_existed)
 
 
 def _summary(s: Stack) -> None:
@@ -255,6 +276,33 @@ def test_anthropic_sdk_answers_through_the_pod_ip(stack):
             f"models: {MODEL}, {ADAPTER}, {SECOND})") in log
 
 
+def test_the_openai_sdk_through_the_models_service(stack):
+    """Issue 24's plain-client path on the real node: the official openai SDK, no zerolayer code in the
+    client, pointed at the model's one ClusterIP Service (``zl-model-<model>``, kube-proxy in iptables
+    mode on the host, no proxy process) reaches the runtime pod. Tenant B's key: tenant A's tokens are
+    summed for the billing check below."""
+    import openai
+
+    pod = stack.pod()
+    cluster = stack.cluster
+
+    def endpoints():
+        slices = cluster.kubectl_json("get", "endpointslices", "-n", RUNTIME_NS,
+                                      "-l", f"kubernetes.io/service-name=zl-model-{MODEL}")["items"]
+        return {a for s in slices for e in s.get("endpoints") or () for a in e["addresses"]
+                if (e.get("conditions") or {}).get("ready")}
+    cluster.wait_for(lambda: pod["status"]["podIP"] in endpoints(), timeout=60, interval=1,
+                     what=f"the runtime pod behind Service zl-model-{MODEL}")
+    service = cluster.kubectl_json("get", "service", "-n", RUNTIME_NS, f"zl-model-{MODEL}")
+    assert service["spec"]["type"] == "ClusterIP" and service["spec"]["ports"][0]["port"] == PORT
+    url = f"http://{service['spec']['clusterIP']}:{PORT}/v1"
+    with openai.OpenAI(base_url=url, api_key=stack.b.key, max_retries=2, timeout=120) as client:
+        for _ in range(3):
+            reply = client.chat.completions.create(model=MODEL, max_tokens=4, messages=MESSAGES)
+            assert reply.model == MODEL and 1 <= reply.usage.completion_tokens <= 4
+    print(f"openai SDK through Service zl-model-{MODEL} ({service['spec']['clusterIP']}:{PORT}): 3 answers")
+
+
 def test_two_models_and_an_adapter_served_by_one_pod(stack):
     """Each model of the InferenceNode has its own engine in the pod, the adapter runs on its base
     model's engine, and all three are listed, routed by name and published in status.models."""
@@ -277,6 +325,56 @@ def test_two_models_and_an_adapter_served_by_one_pod(stack):
     assert len(set(texts.values())) == 3, texts
     status = stack.cluster.kubectl_json("get", "inferencenode", INODE)["status"]
     assert status["models"] == [MODEL, ADAPTER, SECOND]
+
+
+def test_an_adapter_added_to_the_inferencenode_is_served_without_restarting_the_pod(stack):
+    """Issue 25: an adapter put under the node's adapters directory and added to the InferenceNode is
+    loaded into the running engine (vLLM's dynamic LoRA): served by name, published in status.models,
+    and the pod is the same (UID, restartCount, DaemonSet generation). Removed again, it is refused by
+    name, still without a restart."""
+    import openai
+
+    cluster, pod = stack.cluster, stack.pod()
+    live = f"tiny-live-{uuid.uuid4().hex[:6]}"
+    folder = h.tiny_adapter(h.ADAPTERS_HOST_DIR / live, stack.model_path, live)
+    ds_name = pod["metadata"]["ownerReferences"][0]["name"]
+    ds_generation = cluster.kubectl_json("get", "daemonset", "-n", RUNTIME_NS, ds_name)["metadata"]["generation"]
+
+    def restarts(p: dict) -> dict[str, int]:
+        return {c["name"]: c["restartCount"] for c in p["status"]["containerStatuses"]}
+    before = restarts(pod)
+    url = f"http://{pod['status']['podIP']}:{PORT}/v1"
+    entry = {"name": live, "source": {"hostPath": {"path": str(folder)}}}
+    try:
+        started = time.monotonic()
+        cluster.kubectl("patch", "inferencenode", INODE, "--type=json",
+                        "-p", json.dumps([{"op": "add", "path": "/spec/models/0/loras/-", "value": entry}]))
+        with openai.OpenAI(base_url=url, api_key=stack.b.key, max_retries=2, timeout=120) as client:
+            cluster.wait_for(lambda: live in [m.id for m in client.models.list().data], timeout=120, interval=1,
+                             what="the new adapter listed")
+            stack.times["adapter added -> listed by the running pod"] = time.monotonic() - started
+            out = client.completions.create(model=live, prompt="The sea", max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.model == live and out.usage.completion_tokens == 8
+        cluster.wait_for(lambda: live in (cluster.kubectl_json("get", "inferencenode", INODE).get("status") or {})
+                         .get("models", ()), timeout=60, interval=1, what="the adapter in status.models")
+    finally:
+        current = cluster.kubectl_json("get", "inferencenode", INODE)["spec"]["models"][0].get("loras") or []
+        index = next((i for i, a in enumerate(current) if a["name"] == live), None)
+        if index is not None:
+            cluster.kubectl("patch", "inferencenode", INODE, "--type=json",
+                            "-p", json.dumps([{"op": "remove", "path": f"/spec/models/0/loras/{index}"}]))
+    with openai.OpenAI(base_url=url, api_key=stack.b.key, max_retries=0, timeout=120) as client:
+        cluster.wait_for(lambda: live not in [m.id for m in client.models.list().data], timeout=120, interval=1,
+                         what="the removed adapter no longer listed")
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=live, prompt="The sea", max_tokens=8)
+    assert refused.value.status_code == 503 and live in str(refused.value)  # MODEL_UNAVAILABLE, by name
+    shutil.rmtree(h.ADAPTERS_HOST_DIR / live, ignore_errors=True)
+    after = stack.pod()
+    assert after["metadata"]["uid"] == pod["metadata"]["uid"] and restarts(after) == before
+    assert cluster.kubectl_json("get", "daemonset", "-n", RUNTIME_NS, ds_name)["metadata"]["generation"] == \
+        ds_generation
 
 
 # ---------------------------------------------------------------------------------------- 6
@@ -442,6 +540,40 @@ def test_sigterm_drains_an_in_flight_stream(stack):
     new = _new_ready_pod(stack, old)
     stack.times["new pod Ready after `kubectl delete pod` (drain + start)"] = time.monotonic() - deleted
     assert new["spec"]["nodeName"] == REAL_NODE
+
+
+def _greedy(url: str, key: str, model: str) -> str:
+    import openai
+
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=2, timeout=120) as client:
+        out = client.completions.create(model=model, prompt="The sea", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert out.model == model and out.usage.completion_tokens == 8
+    return out.choices[0].text
+
+
+def test_a_model_change_rolls_the_pod_and_a_running_stream_completes(stack):
+    """Issue 25 on the real node: the second model's weights change (same served name, a new folder):
+    the runtime pod rolls, a stream started before the change completes on the old pod (it drains),
+    and the new pod serves the new weights (another greedy answer) beside the unchanged model."""
+    pod = stack.pod()
+    old = pod["metadata"]["name"]
+    url = f"http://{pod['status']['podIP']}:{PORT}"
+    before = _greedy(url, stack.a.key, SECOND)  # tenant A: B's TenantQuota was deleted above
+    changed = h.tiny_model(stack.model_path.parent, f"{SECOND}-v2", seed=11, init_std=0.5)
+    stream = Stream(url, stack.a.key, max_tokens=1500)
+    stream.start()
+    assert stream.first.wait(60) and stream.error is None, stream.error
+    patched = time.monotonic()
+    stack.cluster.kubectl("patch", "inferencenode", INODE, "--type=json", "-p", json.dumps(
+        [{"op": "replace", "path": "/spec/models/1/source/hostPath/path", "value": str(changed)}]))
+    _drain_check(stack, stream, patched, old)
+    new = _new_ready_pod(stack, old)
+    stack.times["model change: new pod Ready after the InferenceNode patch"] = time.monotonic() - patched
+    new_url = f"http://{new['status']['podIP']}:{PORT}"
+    after = _greedy(new_url, stack.a.key, SECOND)
+    assert after != before, f"the new pod still answers with the old weights: {after!r}"
+    _greedy(new_url, stack.a.key, MODEL)  # the unchanged model is served too
 
 
 def test_tls_rolls_the_pod_and_serves_h2_over_tls(stack, tmp_path):

@@ -72,8 +72,8 @@ def test_runtime_in_cluster_follows_tenant_quotas_and_secrets(cluster, env):
         def status(key: str) -> int:
             return httpx.post(f"{url}/v1/messages", content=body, headers={"x-api-key": key}, timeout=10).status_code
 
-        # The first request of a tenant on a node may be refused (429, retry-after) while the node
-        # claims its share of the tenant's fleet-wide quota (docs/fleet-scale.md).
+        # 401 until the runtime's tenant sync has the key; then the node's first request for the
+        # tenant is admitted under its quota credit (docs/fleet-scale.md).
         cluster.wait_for(lambda: status("sk-e2e-one") == 200, timeout=30, what="key accepted")
         assert status("sk-e2e-two") == 401
         # Key rotation: the tenant's Secret changes, the operator publishes the new hash, the

@@ -49,10 +49,58 @@ def messages(draw, roles=("user", "assistant", "system", "developer")):  # type:
     return out
 
 
+def edges(*bounds: float) -> st.SearchStrategy:
+    """Numbers at and around each bound (one step in, one out), as ints and floats, plus the
+    values range checks miss: huge ints, the 64-bit edges and one past them, -0.0, inf, nan."""
+    near = [b + d for b in bounds for d in (-1, 0, 1)] + [b + d for b in bounds for d in (-1e-9, 1e-9)]
+    return st.sampled_from([*near, *(int(b) for b in bounds), 2**63 - 1, 2**63, -2**63, -2**63 - 1, 2**64,
+                            10**30, -10**30, -0.0, float("inf"), float("-inf"), float("nan")])
+
+
+# The numeric fields vLLM range-checks, each with the bounds the parsers (or vLLM) enforce: a value
+# outside must be a 400 naming the field, never a 500 (issue 31 found seed -2**63-1 a 500 on vLLM).
+NUMERIC = {
+    "seed": edges(-2**63, 2**63 - 1, 0), "n": edges(1, 16), "max_tokens": edges(0, 1, 2**31),
+    "max_completion_tokens": edges(0, 1), "temperature": edges(0, 2), "top_p": edges(0, 1),
+    "top_k": edges(-1, 0, 1), "presence_penalty": edges(-2, 2), "frequency_penalty": edges(-2, 2),
+    "priority": edges(-2**63, 2**63 - 1), "top_logprobs": edges(0, 20, 21), "logprobs": edges(0, 5, 20, 21),
+}
+logit_biases = st.dictionaries(st.one_of(st.integers(0, 40000).map(str), st.sampled_from(["-1", "1.5", "x", "\u00b2"])),
+                               edges(-100, 100), max_size=3)
+
+
+@st.composite
+def numeric_fields(draw, api: str) -> dict:  # type: ignore[no-untyped-def]
+    """A few of :data:`NUMERIC` (and ``logit_bias``) at their edges."""
+    names = sorted(NUMERIC) + ([] if api == "anthropic" else ["logit_bias"])
+    out = {}
+    for name in draw(st.lists(st.sampled_from(names), max_size=3, unique=True)):
+        out[name] = draw(logit_biases if name == "logit_bias" else NUMERIC[name])
+    if api == "anthropic" and "seed" in out:
+        out["metadata"] = {"seed": out.pop("seed")}
+    if api == "openai" and "logprobs" in out:
+        out["logprobs"] = True  # chat's logprobs is a boolean; top_logprobs carries the number
+    return out
+
+
+# /v1/completions prompts: every form OpenAI documents, and the malformed neighbours of each.
+prompts = st.one_of(
+    st.text(max_size=20), st.lists(st.text(max_size=10), max_size=3),
+    st.lists(st.integers(-2, 40000), max_size=4), st.lists(st.lists(st.integers(-2, 40000), max_size=3), max_size=3),
+    st.sampled_from([[], [[]], ["a", 1], [1.5], [True], [2**63]]),
+)
+
+
 @st.composite
 def request_objects(draw, api: str):  # type: ignore[no-untyped-def]
-    """A chat request object for ``api`` (anthropic|openai) with some fields replaced by junk."""
-    base: dict = {"model": MODEL, "max_tokens": draw(st.integers(1, 8)), "messages": draw(messages())}
+    """A request object for ``api`` (anthropic|openai|completions) with some fields replaced by junk."""
+    if api == "completions":
+        base: dict = {"model": MODEL, "max_tokens": draw(st.integers(0, 8)), "prompt": draw(prompts)}
+        if draw(st.booleans()):
+            base["echo"] = draw(st.booleans())
+    else:
+        base = {"model": MODEL, "max_tokens": draw(st.integers(1, 8)), "messages": draw(messages())}
+    base.update(draw(numeric_fields(api)))
     optional = {
         "stream": st.booleans(), "temperature": st.floats(0, 1), "top_p": st.floats(0, 1),
         ("stop_sequences" if api == "anthropic" else "stop"): st.lists(st.text(max_size=5), max_size=3),

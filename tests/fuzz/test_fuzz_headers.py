@@ -1,4 +1,4 @@
-"""Fuzz the header contract parser (runtime/headers.py), which runs at HEADERS time on every request.
+"""Fuzz the header contract parser (runtime/serving/headers.py), which runs at HEADERS time on every request.
 
 Contract: ``parse_contract`` returns a :class:`RequestContract` whose deadlines are finite and at
 most ``MAX_DEADLINE_S`` ahead, or raises ``RequestRefused``: INVALID_REQUEST (answered 400 with the
@@ -20,7 +20,7 @@ from tests.fuzz.test_fuzz_json import check_error_answer
 from zerolayer import contract
 from zerolayer.contract import ErrorCode, Priority
 from zerolayer.runtime.errors import RequestRefused
-from zerolayer.runtime.headers import REQUIRABLE, parse_contract
+from zerolayer.runtime.serving.headers import REQUIRABLE, parse_contract
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 

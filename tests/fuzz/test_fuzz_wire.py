@@ -28,7 +28,7 @@ from zerolayer.runtime.engine.synthetic import SyntheticEngine
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(300)]
 
-ROUTES = {"/v1/messages": "anthropic", "/v1/chat/completions": "openai"}
+ROUTES = {"/v1/messages": "anthropic", "/v1/chat/completions": "openai", "/v1/completions": "completions"}
 CONTRACT_NAMES = (*contract.PRIORITY, *contract.MODEL_HINT, *contract.OUTPUT_FORMAT, *contract.DEADLINE_NANOS,
                   *contract.SLO_TTFT_MS, *contract.SESSION[:1])
 # A printable header value: the cores hand the gate latin-1 text, the wire carries no CR/LF/NUL.

@@ -16,7 +16,7 @@ import hashlib
 import json
 import threading
 
-from zerolayer.runtime.incluster import ClusterReadError
+from zerolayer.runtime.node.incluster import ClusterReadError
 
 
 def quota(name: str, tenant: str | None = None, secret: str | None = None, created: str = "2026-01-01T00:00:00Z",
@@ -52,7 +52,7 @@ class Reader:
         return {"data": {"api-keys": base64.b64encode(text.encode()).decode()}}
 
     def tenant_keys(self, namespace=None):  # type: ignore[no-untyped-def]
-        from zerolayer.runtime.incluster import published_entries  # today's interface only
+        from zerolayer.runtime.node.incluster import published_entries  # today's interface only
 
         self.calls["tenant_keys"] += 1
         return published_entries({"data": self._published_data()})

@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from tests.regression.incluster_fakes import Reader, quota, sha
-from zerolayer.runtime.incluster import TenantSync
+from zerolayer.runtime.node.incluster import TenantSync
 from zerolayer.runtime.tenants import TenantDirectory
 
 pytestmark = [pytest.mark.regression, pytest.mark.timeout(60)]
@@ -53,9 +53,10 @@ class _Probe:
 
 
 def test_runtime_with_one_forbidden_secret_starts_and_serves_the_healthy_tenants(monkeypatch):
-    from zerolayer.runtime import cli, incluster
-    from zerolayer.runtime.gossip import hook as gossip_hook
-    from zerolayer.runtime.server import RuntimeServer
+    from zerolayer.runtime import cli
+    from zerolayer.runtime.node import incluster
+    from zerolayer.runtime.node import agent as node_agent
+    from zerolayer.runtime.serving.server import RuntimeServer
     from zerolayer.bpf import hook as audit_hook
 
     reader = Reader([quota("acme"), quota("typo", secret="no-such-keys")], {"acme-keys": ["sk-acme"]})
@@ -68,7 +69,7 @@ def test_runtime_with_one_forbidden_secret_starts_and_serves_the_healthy_tenants
     async def no_gossip(self, server):  # type: ignore[no-untyped-def]
         return self
 
-    monkeypatch.setattr(gossip_hook.NodeAgent, "start", no_gossip)
+    monkeypatch.setattr(node_agent.NodeAgent, "start", no_gossip)
     monkeypatch.setattr(audit_hook, "open_token_probe", lambda args: _Probe())
     served: dict = {}
 
@@ -93,6 +94,7 @@ def test_operator_reports_an_unreadable_secret_and_publishes_the_others(tmp_path
 
     kube = FakeKube()
     kube.secrets[("team", "acme-keys")] = {"api-keys": "sk-acme\n"}
+    kube.secret_labels[("team", "acme-keys")] = {"zerolayer.io/tenant-keys": "acme"}  # opted in (issue 28)
     forbidden = {("team", "no-such-keys")}
     check = kube.check_secret
 

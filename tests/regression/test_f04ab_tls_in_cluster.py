@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerolayer.runtime.incluster import config_from_inferencenode
+from zerolayer.runtime.node.incluster import config_from_inferencenode
 
 pytestmark = [pytest.mark.regression]
 

@@ -14,7 +14,7 @@ import pytest
 from tests.regression.wire import H2Peer, chat_body, connect, runtime, turns, until
 from zerolayer.contract import ErrorCode
 from zerolayer.runtime.errors import RequestRefused
-from zerolayer.runtime.headers import parse_contract
+from zerolayer.runtime.serving.headers import parse_contract
 from zerolayer.runtime.protocol.events import Accept
 from zerolayer.runtime.protocol.h2conn import H2ServerCore
 from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, Ticket

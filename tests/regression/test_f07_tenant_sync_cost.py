@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.regression.incluster_fakes import Reader, quota
-from zerolayer.runtime.incluster import TenantSync
+from zerolayer.runtime.node.incluster import TenantSync
 
 pytestmark = [pytest.mark.regression, pytest.mark.timeout(60)]
 

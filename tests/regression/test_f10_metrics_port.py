@@ -50,7 +50,7 @@ async def test_the_metrics_listener_answers_metrics_and_nothing_else():
     import asyncio
 
     from tests.regression.wire import runtime
-    from zerolayer.runtime.cli import serve_metrics
+    from zerolayer.runtime.compose import serve_metrics
 
     server = await runtime()
     listener = await serve_metrics(server, 0, host="127.0.0.1")

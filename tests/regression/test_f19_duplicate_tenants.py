@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from tests.regression.incluster_fakes import Reader, quota
-from zerolayer.runtime.incluster import TenantSync
+from zerolayer.runtime.node.incluster import TenantSync
 from zerolayer.runtime.tenants import TenantDirectory
 
 pytestmark = [pytest.mark.regression, pytest.mark.timeout(60)]
@@ -55,6 +55,8 @@ def test_operator_refuses_the_newer_duplicate_with_a_condition():
     kube.secrets[("team", "acme-keys")] = {"api-keys": "sk-shared\n"}
     kube.secrets[("team", "globex-keys")] = {"api-keys": "sk-globex\nsk-shared\n"}
     kube.secrets[("team", "copy-keys")] = {"api-keys": "sk-copy\n"}
+    for secret, tenant in (("acme-keys", "acme"), ("globex-keys", "globex"), ("copy-keys", "acme")):
+        kube.secret_labels[("team", secret)] = {"zerolayer.io/tenant-keys": tenant}  # opted in (issue 28)
     reconciler = Reconciler(kube, OperatorConfig(runtime_namespace="zerolayer"))
 
     def put(q):  # type: ignore[no-untyped-def]

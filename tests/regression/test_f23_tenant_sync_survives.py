@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from tests.regression.incluster_fakes import Reader, quota
-from zerolayer.runtime.incluster import TenantSync
+from zerolayer.runtime.node.incluster import TenantSync
 from zerolayer.runtime.tenants import TenantDirectory
 
 pytestmark = [pytest.mark.regression, pytest.mark.timeout(30)]

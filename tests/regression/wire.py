@@ -2,7 +2,7 @@
 
 Nothing of ours is faked: :func:`runtime` builds a :class:`RuntimeServer` (real Application,
 MicroScheduler, TenantDirectory) on the synthetic engine without opening a listener, and
-:class:`Peer` drives one :class:`~zerolayer.runtime.transport.Connection` through a
+:class:`Peer` drives one :class:`~zerolayer.runtime.serving.transport.Connection` through a
 :class:`FakeSocket` that behaves like asyncio's socket transport: ``close()`` schedules
 ``connection_lost`` on the next loop iteration, a peer's FIN goes through ``eof_received``
 first, and ``pause_writing``/``resume_writing`` model a peer that stops reading.
@@ -21,9 +21,9 @@ import h2.events
 from zerolayer.runtime.engine.synthetic import SyntheticEngine
 from zerolayer.runtime.limits import Limits
 from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, TenantPolicy
-from zerolayer.runtime.server import RuntimeServer
+from zerolayer.runtime.serving.server import RuntimeServer
 from zerolayer.runtime.tenants import Tenant, key_hash
-from zerolayer.runtime.transport import Connection
+from zerolayer.runtime.serving.transport import Connection
 
 KEY = "sk-regression-acme"
 
@@ -56,6 +56,9 @@ class FakeSocket:
         self.lost = False
         self.eof_written = False
         self.peer = peer
+        # Like asyncio's selector transport: close() with unread bytes still buffered waits for them
+        # to drain before connection_lost; a peer that never reads holds it until abort().
+        self.holds_unread = False
 
     def write(self, data: bytes) -> None:
         if not self.closing:
@@ -87,6 +90,13 @@ class FakeSocket:
         if self.closing:
             return
         self.closing = True
+        if self.holds_unread and self.paused:
+            return  # connection_lost only once the peer reads (take()) or on abort()
+        asyncio.get_running_loop().call_soon(self._lost)
+
+    def abort(self) -> None:
+        """As asyncio does: drop the buffer, connection_lost on the next iteration."""
+        self.closing = True
         asyncio.get_running_loop().call_soon(self._lost)
 
     def _lost(self) -> None:
@@ -107,7 +117,7 @@ class FakeSocket:
 def connect(server: RuntimeServer, peer: tuple[str, int] = ("10.0.0.7", 40000),
             high_water: int | None = None) -> tuple[Connection, FakeSocket]:
     sock = FakeSocket(peer, high_water)
-    conn = Connection(server, tls=False)
+    conn = Connection(server.context, tls=False)
     sock.protocol = conn
     conn.connection_made(sock)  # type: ignore[arg-type]
     return conn, sock

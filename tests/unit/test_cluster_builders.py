@@ -9,7 +9,7 @@ import yaml
 from cryptography import x509
 
 from zerolayer import cli
-from zerolayer.cluster import build, local, pki, versions
+from zerolayer.cluster import build, controlplane, local, pki, versions
 
 
 def test_fake_node_is_managed_by_kwok_and_labelled_like_gpu_feature_discovery():
@@ -19,6 +19,36 @@ def test_fake_node_is_managed_by_kwok_and_labelled_like_gpu_feature_discovery():
     assert labels["nvidia.com/gpu.present"] == "true"
     assert labels["nvidia.com/gpu.count"] == node["status"]["capacity"]["nvidia.com/gpu"]
     assert labels["kubernetes.io/hostname"] == "gpu-node-7"
+
+
+def _plane(real_nodes: bool) -> controlplane.Plane:
+    ports = {name: 40000 + i for i, name in enumerate(controlplane.PORTS)}
+    return controlplane.Plane(pathlib.Path("/c"), "10.1.0.1" if real_nodes else "127.0.0.1", ports, real_nodes)
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    return {a[2:].partition("=")[0]: a.partition("=")[2] for a in args}
+
+
+def test_the_api_server_reaches_kubelets_only_when_real_nodes_join():
+    kwok_only, real = _flags(controlplane.apiserver_args(_plane(False))), \
+        _flags(controlplane.apiserver_args(_plane(True)))
+    assert kwok_only["endpoint-reconciler-type"] == "none" and "kubelet-client-certificate" not in kwok_only
+    assert real["kubelet-client-certificate"] == "/c/pki/apiserver-kubelet-client.crt"
+    assert "endpoint-reconciler-type" not in real
+    assert real["bind-address"] == real["advertise-address"] == "10.1.0.1"
+    assert real["etcd-servers"] == "http://127.0.0.1:40000" and real["secure-port"] == "40002"
+
+
+def test_each_controller_has_its_own_kubeconfig_and_port():
+    plane = _plane(False)
+    manager, scheduler = _flags(controlplane.controller_manager_args(plane)), \
+        _flags(controlplane.scheduler_args(plane))
+    assert manager["kubeconfig"] == manager["authorization-kubeconfig"] == "/c/controller-manager.kubeconfig"
+    assert scheduler["kubeconfig"] == scheduler["authentication-kubeconfig"] == "/c/scheduler.kubeconfig"
+    assert (manager["secure-port"], scheduler["secure-port"]) == ("40003", "40004")
+    assert manager["concurrent-daemonset-syncs"] == "8" and "root-ca-file" not in scheduler
+    assert _flags(controlplane.etcd_args(plane))["initial-cluster"] == "zerolayer=http://127.0.0.1:40001"
 
 
 def test_certificates_and_kubeconfig(tmp_path: pathlib.Path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import tarfile
@@ -19,7 +20,7 @@ def project(tmp_path: pathlib.Path) -> pathlib.Path:
     for folder in image.SOURCE_DIRS:
         (repo / folder).mkdir(parents=True)
         (repo / folder / "__init__.py").write_text(f"# {folder}\n")
-    (repo / "zerolayer" / "__init__.py").write_text('__version__ = "9.8.7"\n')
+    (repo / "zerolayer" / "version.py").write_text('__version__ = "9.8.7"\n')
     (repo / "runtime" / "server.py").write_text("SERVE = 1\n")
     (repo / "pyproject.toml").write_text(
         '[project]\nname = "zerolayer"\ndependencies = ["h2>=4.1"]\n'
@@ -41,7 +42,7 @@ def test_tag_is_repository_version_and_flavour(project: pathlib.Path) -> None:
 
 
 def test_the_real_tag_follows_the_package_version() -> None:
-    from zerolayer import __version__
+    from zerolayer.version import __version__
 
     assert image.inputs().tag == f"zerolayer/zerolayer:{__version__}-cpu"
 
@@ -91,8 +92,55 @@ def test_archive_path_is_keyed_under_the_cache(project: pathlib.Path, cache: pat
 
 
 def test_unknown_flavour_is_refused(project: pathlib.Path) -> None:
-    with pytest.raises(image.ImageError, match="Dockerfile"):
+    with pytest.raises(image.ImageError, match="unknown image flavour 'cuda' \\(known: cpu, gpu\\)"):
         image.inputs(project, flavour="cuda")
+
+
+def test_the_gpu_flavour_is_the_official_vllm_on_its_own_base_and_leaves_the_cpu_keys_alone(
+        project: pathlib.Path) -> None:
+    cpu, gpu = image.inputs(project), image.inputs(project, flavour="gpu")
+    assert gpu.tag == "zerolayer/zerolayer:9.8.7-gpu" and gpu.vllm == image.VLLM_GPU
+    assert gpu.vllm.split("==")[1] == cpu.vllm.split("==")[1]  # one vLLM version for both flavours
+    assert {"gcc", "python3-dev"} <= set(gpu.base_packages) and "gcc" not in cpu.base_packages
+    assert all(gpu.keys()[k] != cpu.keys()[k] for k in ("base", "engine", "app"))
+    # The cpu keys are what they were before the gpu flavour existed: its cached layers stay valid.
+    base = image._hash({"recipe": "1", "suite": "bookworm", "packages": image.BASE_PACKAGES, "uid": 65532})
+    assert cpu.keys()["base"] == base
+
+
+def test_each_flavour_names_and_prunes_only_its_own_files(project: pathlib.Path, cache: pathlib.Path) -> None:
+    layers = cache / "layers"
+    layers.mkdir(parents=True)
+    files = {}
+    for flavour in ("cpu", "gpu"):
+        inp = image.inputs(project, flavour=flavour)
+        assert image.archive_path(inp).name.startswith(f"zerolayer-9.8.7-{flavour}-")
+        current = [layer.tar for layer in image._layers(inp)]
+        assert [t.name.split("-")[0] for t in current] == (["base", "engine", "app"] if flavour == "cpu"
+                                                          else ["gpu"] * 3)
+        old = [t.with_name(t.name.replace(inp.keys()[t.name.split("-")[-2]], "0" * 16)) for t in current]
+        older = [t.with_name(t.name.replace(inp.keys()[t.name.split("-")[-2]], "1" * 16)) for t in current]
+        archives = [image.archive_path(inp), cache / f"zerolayer-9.8.7-{flavour}-old.tar",
+                    cache / f"zerolayer-9.8.7-{flavour}-older.tar"]
+        for age, path in enumerate([*current, *old, *older][::-1] + archives[::-1]):
+            path.write_bytes(b"x")
+            os.utime(path, (1000 + age, 1000 + age))
+        files[flavour] = (inp, current, old, older, archives)
+    inp, current, old, older, archives = files["gpu"]
+    image._prune(cache, "gpu", keep={archives[0], *current})
+    assert all(p.exists() for p in [*current, *old, archives[0], archives[1]])
+    assert not any(p.exists() for p in [*older, archives[2]])
+    _, cpu_current, cpu_old, cpu_older, cpu_archives = files["cpu"]
+    assert all(p.exists() for p in [*cpu_current, *cpu_old, *cpu_older, *cpu_archives])  # untouched
+
+
+def test_the_gpu_flavour_drops_nothing_and_sends_jit_caches_to_tmp() -> None:
+    for name in ("triton", "torchvision", "torchaudio", "torchcodec"):
+        assert image.dropped(name) and not image.dropped(name, "gpu"), name
+    env = dict(item.split("=", 1) for item in image.image_config("t:1-gpu", ["a" * 64], "gpu")["config"]["Env"])
+    assert env["TRITON_HOME"] == "/tmp" and env["FLASHINFER_WORKSPACE_BASE"] == "/tmp"
+    cpu_env = dict(item.split("=", 1) for item in image.image_config("t:1-cpu", ["a" * 64])["config"]["Env"])
+    assert "TRITON_HOME" not in cpu_env
 
 
 def test_refuses_without_root(project: pathlib.Path, cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

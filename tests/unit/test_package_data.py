@@ -21,22 +21,17 @@ def _package_data() -> dict[str, list[str]]:
     raise AssertionError("setup.py defines no PACKAGE_DATA")
 
 
-def _roots() -> dict[str, str]:
-    tree = ast.parse((REPO / "setup.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "ROOTS" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError("setup.py defines no ROOTS")
+PORTIONS = (".", "operator", "runtime", "client", "bpf")  # as setup.py's PORTIONS
 
 
 def test_files_opened_beside_the_code_are_package_data():
-    data, roots = _package_data(), _roots()
+    data = _package_data()
     opened = []
-    for package, folder in roots.items():
-        for source in (REPO / folder).rglob("*.py"):
+    for portion in PORTIONS:
+        root = REPO / portion
+        for source in (root / "zerolayer").rglob("*.py"):
             for name in re.findall(r"Path\(__file__\)(?:\.resolve\(\))?\.with_name\(\"([^\"]+)\"\)", source.read_text()):
-                rel = source.parent.relative_to(REPO / folder)
-                opened.append((".".join([package, *rel.parts]), name, source.parent / name))
+                opened.append((".".join(source.parent.relative_to(root).parts), name, source.parent / name))
     assert opened, "expected at least the auditor's BPF program"
     for package, name, path in opened:
         assert path.exists(), path

@@ -152,3 +152,13 @@ def test_up_accepts_real_nodes():
     args = cli.build_parser().parse_args(["cluster", "up", "--real-nodes", "2"])
     assert args.real_nodes == 2
     assert cli.build_parser().parse_args(["cluster", "up"]).real_nodes == 0
+
+
+def test_a_running_kwok_cluster_asked_for_a_real_node_says_what_to_run():
+    """Issue 25: the real-node quick start run after the kwok one reused the kwok cluster and stopped
+    later with "this cluster has no real nodes"; now `up` refuses at once and names the commands."""
+    from zerolayer.cluster.local import reuse_refusal
+
+    message = reuse_refusal(1, 0)
+    assert message and "zerolayer cluster down" in message and "--real-nodes 1" in message
+    assert reuse_refusal(0, 0) is None and reuse_refusal(1, 1) is None and reuse_refusal(0, 1) is None

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Callable, ClassVar, TypeVar
 
 from zerolayer.cluster import versions
 
@@ -32,13 +33,28 @@ class BuildError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Toolchain:
-    """Absolute paths of every binary the local control plane uses."""
+class _Binaries:
+    """A folder of built binaries: ``names`` are the ones that must be there and executable."""
 
     bin_dir: pathlib.Path
+    names: ClassVar[tuple[str, ...]] = ()
 
     def path(self, name: str) -> pathlib.Path:
         return self.bin_dir / name
+
+    @property
+    def missing(self) -> list[str]:
+        return [n for n in self.names if not os.access(self.path(n), os.X_OK)]
+
+
+_B = TypeVar("_B", bound=_Binaries)
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain(_Binaries):
+    """Absolute paths of every binary the local control plane uses."""
+
+    names: ClassVar[tuple[str, ...]] = tuple(versions.BINARIES)
 
     @property
     def kwok_stages(self) -> pathlib.Path:
@@ -47,8 +63,7 @@ class Toolchain:
 
     @property
     def missing(self) -> list[str]:
-        gone = [n for n in versions.BINARIES if not os.access(self.path(n), os.X_OK)]
-        return gone + ([] if self.kwok_stages.exists() else [self.kwok_stages.name])
+        return super().missing + ([] if self.kwok_stages.exists() else [self.kwok_stages.name])
 
 
 def cache_root() -> pathlib.Path:
@@ -71,17 +86,10 @@ def node_toolchain_dir() -> pathlib.Path:
 
 
 @dataclasses.dataclass(frozen=True)
-class NodeToolchain:
+class NodeToolchain(_Binaries):
     """Absolute paths of the binaries a real node runs (containerd, runc and CNI come from Debian)."""
 
-    bin_dir: pathlib.Path
-
-    def path(self, name: str) -> pathlib.Path:
-        return self.bin_dir / name
-
-    @property
-    def missing(self) -> list[str]:
-        return [n for n in versions.NODE_BINARIES if not os.access(self.path(n), os.X_OK)]
+    names: ClassVar[tuple[str, ...]] = tuple(versions.NODE_BINARIES)
 
 
 def _go() -> str:
@@ -173,10 +181,11 @@ def _build_group(go: str, work: pathlib.Path, name: str, requires: list[str], re
         log(f"built {binary} in {time.monotonic() - started:.0f}s")
 
 
-def ensure_binaries(log=None) -> Toolchain:
-    """Return the cached toolchain, building whatever is missing first."""
-    log = log or (lambda msg: print(f"[zerolayer build] {msg}", file=sys.stderr, flush=True))
-    tc = Toolchain(toolchain_dir())
+def _ensure(tc: _B, log: Callable[[str], None] | None, how_long: str,
+            build: Callable[[str, pathlib.Path, pathlib.Path, Callable[[str], None]], None]) -> _B:
+    """``tc`` once every binary it names is there: ``build(go, work, out_dir, log)`` makes what is missing
+    (in a work folder removed after a build that succeeded)."""
+    say = log or (lambda msg: print(f"[zerolayer build] {msg}", file=sys.stderr, flush=True))
     if not tc.missing:
         return tc
     go = _go()
@@ -184,11 +193,23 @@ def ensure_binaries(log=None) -> Toolchain:
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir.parent / "src"
     work.mkdir(parents=True, exist_ok=True)
-    log(f"building {', '.join(tc.missing)} into {out_dir} (first time only; many minutes on 2 cores)")
+    say(f"building {', '.join(tc.missing)} into {out_dir} (first time only; {how_long} on 2 cores)")
+    build(go, work, out_dir, say)
+    missing = tc.missing
+    if missing:
+        raise BuildError(f"build finished but {missing} are still missing in {out_dir}")
+    shutil.rmtree(work, ignore_errors=True)
+    return tc
 
-    k8s_replaces = _kubernetes_replaces(go, work, log)
+
+def ensure_binaries(log: Callable[[str], None] | None = None) -> Toolchain:
+    """Return the cached toolchain, building whatever is missing first."""
+    return _ensure(Toolchain(toolchain_dir()), log, "many minutes", _build_control_plane)
+
+
+def _build_control_plane(go: str, work: pathlib.Path, out_dir: pathlib.Path, log: Callable[[str], None]) -> None:
     _build_group(
-        go, work, "kubernetes", [f"k8s.io/kubernetes {versions.KUBERNETES}"], k8s_replaces,
+        go, work, "kubernetes", [f"k8s.io/kubernetes {versions.KUBERNETES}"], _kubernetes_replaces(go, work, log),
         {
             "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
             "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
@@ -205,32 +226,22 @@ def ensure_binaries(log=None) -> Toolchain:
                  {"helm": "helm.sh/helm/v3/cmd/helm"}, out_dir, log)
     _build_group(go, work, "h2spec", [f"github.com/summerwind/h2spec {versions.H2SPEC}"], [],
                  {"h2spec": "github.com/summerwind/h2spec/cmd/h2spec"}, out_dir, log)
-    if not tc.kwok_stages.exists():
-        _write_kwok_stages(go, work, tc.kwok_stages, log)
-    missing = tc.missing
-    if missing:
-        raise BuildError(f"build finished but {missing} are still missing in {out_dir}")
-    shutil.rmtree(work, ignore_errors=True)
-    return tc
+    stages = Toolchain(out_dir).kwok_stages
+    if not stages.exists():
+        _write_kwok_stages(go, work, stages, log)
 
 
-def ensure_node_binaries(log=None) -> NodeToolchain:
+def ensure_node_binaries(log: Callable[[str], None] | None = None) -> NodeToolchain:
     """Return the cached real-node toolchain, building whatever is missing first.
 
     kubelet and kube-proxy come from the same generated module as the control plane (so a warm Go
     build cache makes them quick); kube-router from its own module. Kept apart from
     :func:`ensure_binaries` so that the kwok-only path never pays for them.
     """
-    log = log or (lambda msg: print(f"[zerolayer build] {msg}", file=sys.stderr, flush=True))
-    tc = NodeToolchain(node_toolchain_dir())
-    if not tc.missing:
-        return tc
-    go = _go()
-    out_dir = tc.bin_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work = out_dir.parent / "src"
-    work.mkdir(parents=True, exist_ok=True)
-    log(f"building {', '.join(tc.missing)} into {out_dir} (first time only; minutes on 2 cores)")
+    return _ensure(NodeToolchain(node_toolchain_dir()), log, "minutes", _build_node)
+
+
+def _build_node(go: str, work: pathlib.Path, out_dir: pathlib.Path, log: Callable[[str], None]) -> None:
     _build_group(
         go, work, "kubernetes", [f"k8s.io/kubernetes {versions.KUBERNETES}"], _kubernetes_replaces(go, work, log),
         {"kubelet": "k8s.io/kubernetes/cmd/kubelet", "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy"},
@@ -238,11 +249,42 @@ def ensure_node_binaries(log=None) -> NodeToolchain:
     )
     _build_group(go, work, "kube-router", [f"github.com/cloudnativelabs/kube-router/v2 {versions.KUBE_ROUTER}"], [],
                  {"kube-router": "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"}, out_dir, log)
-    missing = tc.missing
-    if missing:
-        raise BuildError(f"build finished but {missing} are still missing in {out_dir}")
-    shutil.rmtree(work, ignore_errors=True)
-    return tc
+
+
+def jaeger_dir() -> pathlib.Path:
+    """Jaeger, the tracing tests' OTLP receiver: a cache of its own, so the control plane's never rebuilds for it."""
+    return cache_root() / f"tracing-{versions.JAEGER_STAMP}" / "bin"
+
+
+@dataclasses.dataclass(frozen=True)
+class JaegerToolchain(_Binaries):
+    """Jaeger v2's single binary (``cmd/jaeger``)."""
+
+    names: ClassVar[tuple[str, ...]] = ("jaeger",)
+
+
+def ensure_jaeger(log: Callable[[str], None] | None = None) -> JaegerToolchain:
+    """Return the cached Jaeger, building it first if missing (about 10 minutes cold on 2 cores)."""
+    return _ensure(JaegerToolchain(jaeger_dir()), log, "about 10 minutes", _build_jaeger)
+
+
+def _build_jaeger(go: str, work: pathlib.Path, out_dir: pathlib.Path, log: Callable[[str], None]) -> None:
+    module = f"github.com/jaegertracing/jaeger@{versions.JAEGER}"
+    _build_group(go, work, "jaeger", [module.replace("@", " ")], _module_replaces(go, work, module),
+                 {"jaeger": "github.com/jaegertracing/jaeger/cmd/jaeger"}, out_dir, log)
+
+
+def _module_replaces(go: str, work: pathlib.Path, module: str) -> list[str]:
+    """The version replaces of ``module``'s own go.mod (a dependency's replaces do not apply to a module
+    that requires it, so the generated module repeats them)."""
+    out = subprocess.run([go, "mod", "download", "-json", module], cwd=work, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, GOTOOLCHAIN="local"))
+    gomod = re.search(r'"GoMod":\s*"([^"]+)"', out.stdout)
+    if out.returncode != 0 or not gomod:
+        raise BuildError(f"cannot download {module}: {out.stderr[-2000:]}")
+    text = pathlib.Path(gomod.group(1)).read_text()
+    return [f"{old} => {new} {version}" for old, new, version in
+            re.findall(r"^(?:replace\s+|\t)(\S+)\s+=>\s+(\S+)\s+(v\S+)\s*$", text, re.M)]
 
 
 # kwok ships its lifecycle stages as YAML in its module (kwokctl embeds them); the plain kwok

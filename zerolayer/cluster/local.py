@@ -15,27 +15,25 @@ the API server then listens on the node bridge instead of 127.0.0.1.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import pathlib
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 
-from zerolayer.cluster import build, host, images, node, pki, versions
+from zerolayer.cluster import build, controlplane, host, images, node, pki, processes, versions
+from zerolayer.cluster.controlplane import SERVICE_CIDR, Plane
+from zerolayer.cluster.processes import Component, free_port
 
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 GPU_MEMORY_MIB = 81559
 GPUS_PER_NODE = 8
 NODE_PREFIX = "gpu-node-"
-SERVICE_CIDR = "10.96.0.0/16"
 
 
 class ClusterError(RuntimeError):
@@ -52,36 +50,18 @@ def state_root() -> pathlib.Path:
     return base / "zerolayer"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reuse_refusal(asked: int, running: int) -> str | None:
+    """Why a running cluster with ``running`` real nodes cannot serve an ``up`` asking for ``asked``.
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours counts as dead.
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-@dataclasses.dataclass
-class Component:
-    name: str
-    pid: int
-    port: int
-
-    @property
-    def alive(self) -> bool:
-        return _alive(self.pid)
+    Real nodes join only when the control plane starts: its API server then listens on the node
+    bridge with a certificate for that address (a kwok-only cluster listens on 127.0.0.1).
+    """
+    if asked <= running:
+        return None
+    return (f"the running local cluster has {running} real node(s) and {asked} were asked for; real nodes join "
+            "only when the control plane starts (its API server then listens on the node bridge). Run "
+            f"`zerolayer cluster down`, then `zerolayer cluster up --real-nodes {asked}` again (or the script that "
+            "ran it, such as examples/quickstart-real-node.sh)")
 
 
 class LocalCluster:
@@ -129,7 +109,7 @@ class LocalCluster:
 
     def api_url(self) -> str | None:
         st = self.state()
-        return st and st["api_server"]
+        return str(st["api_server"]) if st else None
 
     # ------------------------------------------------------------------ health
     def _ssl(self) -> ssl.SSLContext:
@@ -161,16 +141,8 @@ class LocalCluster:
     # ------------------------------------------------------------------ up
     def _launch(self, state: dict, name: str, exe: str, args: list[str], port: int) -> int:
         """Start ``exe`` in its own session, logging to ``logs/<name>.log``, and record it in state.json."""
-        logf = open(self.logs / f"{name}.log", "ab")
-        # containerd's shims look for runc, kube-router and kube-proxy for iptables/ipset, on PATH.
-        env = dict(os.environ, PATH=os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin",
-                                                     "/sbin"]))
-        proc = subprocess.Popen([exe, *args], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=self.dir, env=env)
-        logf.close()
+        proc = processes.launch(state, self.state_file, self.logs, name, [exe, *args], port)
         self._children[proc.pid] = proc
-        state["components"].append(dataclasses.asdict(Component(name, proc.pid, port)))
-        self.state_file.write_text(json.dumps(state, indent=2))
         return proc.pid
 
     def up(self, nodes: int = 3, timeout: float = 180, real_nodes: int = 0) -> str:
@@ -182,124 +154,23 @@ class LocalCluster:
         broken cluster, and when the host cannot run real nodes (before changing anything).
         """
         if self.state() is not None:
-            if self.is_running():
-                self.log(f"cluster already running (API server {self.api_url()}); reusing it")
-                return "reused"
-            dead = [c.name for c in self.components() if not c.alive]
-            raise ClusterError(
-                f"a previous local cluster in {self.dir} is not healthy (stopped: {', '.join(dead) or 'none'}); "
-                "run `zerolayer cluster down` and then `up` again"
-            )
+            return self._reuse(real_nodes)
         started = time.monotonic()
         if real_nodes:
-            reason = host.unsupported_reason()
-            if reason:
-                raise ClusterError(f"cannot run real nodes here: {reason}")
-            holder = live_real_node_holder(self.log)
-            if holder is not None and holder != str(self.dir):
-                raise ClusterError(f"real nodes of another local cluster ({holder}) hold this host; "
-                                   "take that one down first")
-        tc = build.ensure_binaries(self.log)
+            self._check_real_node_host()
+        tc = self._toolchain = build.ensure_binaries(self.log)
         node_tc = build.ensure_node_binaries(self.log) if real_nodes else None
-        self._toolchain = tc
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.logs.mkdir(exist_ok=True)
-        address = host.GATEWAY_IP if real_nodes else "127.0.0.1"
-        pki.create(self.pki, extra_ips=(host.GATEWAY_IP,) if real_nodes else ())
-        ports = {n: _free_port() for n in ("etcd", "etcd-peer", "apiserver", "controller-manager",
-                                            "scheduler", "kwok")}
-        api = f"https://{address}:{ports['apiserver']}"
-        state = {"api_server": api, "bin_dir": str(tc.bin_dir), "versions": versions.STAMP,
-                 "kubeconfig": str(self.kubeconfig), "components": [], "real_nodes": []}
-        for user in ("admin", "controller-manager", "scheduler"):
-            path = self.kubeconfig if user == "admin" else self.dir / f"{user}.kubeconfig"
-            path.write_text(pki.kubeconfig(api, self.pki, user))
-            path.chmod(0o600)
-
-        def launch(name: str, args: list[str], port_key: str) -> None:
-            self._launch(state, name, str(tc.path(name)), args, ports[port_key])
-
-        if real_nodes:
-            self.state_file.write_text(json.dumps(state, indent=2))  # so `down` finds the host claim's owner
+        plane, state = self._prepare(tc, real_nodes)
         try:
             if real_nodes:
                 host.acquire(self.dir)
                 host.setup_network()
-            etcd_url = f"http://127.0.0.1:{ports['etcd']}"
-            peer_url = f"http://127.0.0.1:{ports['etcd-peer']}"
-            launch("etcd", [
-                "--name=zerolayer", f"--data-dir={self.dir / 'etcd'}",
-                f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-                f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-                f"--initial-cluster=zerolayer={peer_url}", "--unsafe-no-fsync",
-                "--log-level=warn", "--quota-backend-bytes=4294967296",
-            ], "etcd")
-            self._wait(lambda: self._http_ok(f"{etcd_url}/health"), 30, "etcd")
-            p = self.pki
-            if real_nodes:
-                # Pods reach the API server on the bridge, directly or through the `kubernetes`
-                # Service (whose endpoint is the advertised address); it reaches kubelets by InternalIP.
-                node_flags = [
-                    f"--kubelet-client-certificate={self.pki / 'apiserver-kubelet-client.crt'}",
-                    f"--kubelet-client-key={self.pki / 'apiserver-kubelet-client.key'}",
-                    f"--kubelet-certificate-authority={self.pki / 'ca.crt'}",
-                    "--kubelet-preferred-address-types=InternalIP",
-                ]
-            else:
-                # 127.0.0.1 is not a valid endpoint address, so the `kubernetes` Service gets none.
-                node_flags = ["--endpoint-reconciler-type=none"]
-            launch("kube-apiserver", [
-                f"--etcd-servers={etcd_url}", f"--bind-address={address}", f"--advertise-address={address}",
-                f"--secure-port={ports['apiserver']}",
-                f"--tls-cert-file={p / 'apiserver.crt'}", f"--tls-private-key-file={p / 'apiserver.key'}",
-                f"--client-ca-file={p / 'ca.crt'}",
-                f"--service-account-key-file={p / 'sa.pub'}", f"--service-account-signing-key-file={p / 'sa.key'}",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--authorization-mode=Node,RBAC", "--allow-privileged=true",
-                *node_flags,
-                "--profiling=false", "--v=1",
-            ], "apiserver")
-            self._wait(self.healthy, 90, "kube-apiserver")
-            launch("kube-controller-manager", [
-                f"--kubeconfig={self.dir / 'controller-manager.kubeconfig'}",
-                f"--authentication-kubeconfig={self.dir / 'controller-manager.kubeconfig'}",
-                f"--authorization-kubeconfig={self.dir / 'controller-manager.kubeconfig'}",
-                "--bind-address=127.0.0.1", f"--secure-port={ports['controller-manager']}",
-                "--leader-elect=false", "--use-service-account-credentials=true",
-                f"--service-account-private-key-file={p / 'sa.key'}", f"--root-ca-file={p / 'ca.crt'}",
-                f"--cluster-signing-cert-file={p / 'ca.crt'}", f"--cluster-signing-key-file={p / 'ca.key'}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}", "--profiling=false", "--v=1",
-                # The defaults (20 requests/s per controller, 2 DaemonSet workers) are sized for small
-                # clusters: with one DaemonSet per node at 1,000 kwok nodes the DaemonSet controller
-                # waited on its own client-side rate limiter for most of each sync and fell minutes
-                # behind (docs/fleet-scale.md). Large clusters raise them the same way.
-                "--kube-api-qps=200", "--kube-api-burst=400", "--concurrent-daemonset-syncs=8",
-            ], "controller-manager")
-            launch("kube-scheduler", [
-                f"--kubeconfig={self.dir / 'scheduler.kubeconfig'}",
-                f"--authentication-kubeconfig={self.dir / 'scheduler.kubeconfig'}",
-                f"--authorization-kubeconfig={self.dir / 'scheduler.kubeconfig'}",
-                "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}",
-                "--leader-elect=false", "--profiling=false", "--v=1",
-            ], "scheduler")
-            launch("kwok", [
-                f"--kubeconfig={self.kubeconfig}", f"--config={tc.kwok_stages}",
-                "--manage-all-nodes=false",
-                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-                "--cidr=10.244.0.1/16", "--node-ip=10.0.0.1",
-                f"--server-address=127.0.0.1:{ports['kwok']}",
-            ], "kwok")
+            self._start_control_plane(plane, state, tc)
             if nodes:
                 self.add_nodes(range(nodes))
-            if real_nodes:
+            if real_nodes and node_tc is not None:
                 self._start_real_nodes(state, real_nodes, node_tc)
-            deadline = started + timeout
-            self._wait(lambda: self._nodes_ready(nodes + real_nodes), max(5.0, deadline - time.monotonic()),
-                       "nodes Ready")
-            self._wait(lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default",
-                                            check=False).returncode == 0,
-                       max(5.0, deadline - time.monotonic()), "default ServiceAccount")
+            self._wait_usable(nodes + real_nodes, started + timeout)
         except BaseException:
             self.log("start failed; stopping what was started (logs kept in the error below)")
             tails = self._log_tails()
@@ -307,9 +178,70 @@ class LocalCluster:
             if tails:
                 self.log(tails)
             raise
-        self.log(f"cluster up in {time.monotonic() - started:.1f}s: API server {api}, {nodes} fake GPU nodes, "
-                 f"{real_nodes} real nodes; kubeconfig {self.kubeconfig}")
+        self.log(f"cluster up in {time.monotonic() - started:.1f}s: API server {plane.api_url}, {nodes} fake GPU "
+                 f"nodes, {real_nodes} real nodes; kubeconfig {self.kubeconfig}")
         return "started"
+
+    def _reuse(self, real_nodes: int) -> str:
+        """A recorded cluster: "reused" when it runs and has the real nodes asked for, else ClusterError."""
+        if self.is_running():
+            refusal = reuse_refusal(real_nodes, len(self.real_nodes()))
+            if refusal:
+                raise ClusterError(refusal)
+            self.log(f"cluster already running (API server {self.api_url()}); reusing it")
+            return "reused"
+        dead = [c.name for c in self.components() if not c.alive]
+        raise ClusterError(
+            f"a previous local cluster in {self.dir} is not healthy (stopped: {', '.join(dead) or 'none'}); "
+            "run `zerolayer cluster down` and then `up` again"
+        )
+
+    def _check_real_node_host(self) -> None:
+        """Refuse real nodes, before changing anything, where the host cannot run them or another holds it."""
+        reason = host.unsupported_reason()
+        if reason:
+            raise ClusterError(f"cannot run real nodes here: {reason}")
+        holder = live_real_node_holder(self.log)
+        if holder is not None and holder != str(self.dir):
+            raise ClusterError(f"real nodes of another local cluster ({holder}) hold this host; "
+                               "take that one down first")
+
+    def _prepare(self, tc: build.Toolchain, real_nodes: int) -> tuple[Plane, dict]:
+        """Directories, PKI, ports and kubeconfigs of a new control plane, and its first state."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        plane = Plane(self.dir, host.GATEWAY_IP if real_nodes else "127.0.0.1",
+                      {n: free_port() for n in controlplane.PORTS}, real_nodes=bool(real_nodes))
+        pki.create(self.pki, extra_ips=(host.GATEWAY_IP,) if real_nodes else ())
+        state = {"api_server": plane.api_url, "bin_dir": str(tc.bin_dir), "versions": versions.STAMP,
+                 "kubeconfig": str(self.kubeconfig), "components": [], "real_nodes": []}
+        for user in ("admin", "controller-manager", "scheduler"):
+            path = self.kubeconfig if user == "admin" else self.dir / f"{user}.kubeconfig"
+            path.write_text(pki.kubeconfig(plane.api_url, self.pki, user))
+            path.chmod(0o600)
+        if real_nodes:
+            self.state_file.write_text(json.dumps(state, indent=2))  # so `down` finds the host claim's owner
+        return plane, state
+
+    def _start_control_plane(self, plane: Plane, state: dict, tc: build.Toolchain) -> None:
+        """etcd, the API server (each waited for), the controller manager, the scheduler and kwok."""
+        def launch(name: str, args: list[str], port: str) -> None:
+            self._launch(state, name, str(tc.path(name)), args, plane.ports[port])
+
+        launch("etcd", controlplane.etcd_args(plane), "etcd")
+        self._wait(lambda: self._http_ok(f"{plane.etcd_url}/health"), 30, "etcd")
+        launch("kube-apiserver", controlplane.apiserver_args(plane), "apiserver")
+        self._wait(self.healthy, 90, "kube-apiserver")
+        launch("kube-controller-manager", controlplane.controller_manager_args(plane), "controller-manager")
+        launch("kube-scheduler", controlplane.scheduler_args(plane), "scheduler")
+        launch("kwok", controlplane.kwok_args(plane, self.kubeconfig, tc.kwok_stages), "kwok")
+
+    def _wait_usable(self, nodes: int, deadline: float) -> None:
+        """Until ``deadline``: every node Ready and the default ServiceAccount made (pods can be created)."""
+        self._wait(lambda: self._nodes_ready(nodes), max(5.0, deadline - time.monotonic()), "nodes Ready")
+        self._wait(lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default",
+                                        check=False).returncode == 0,
+                   max(5.0, deadline - time.monotonic()), "default ServiceAccount")
 
     def _start_real_nodes(self, state: dict, count: int, tc: build.NodeToolchain) -> None:
         """Start each real node's containerd and kubelet, then the host's kube-proxy and kube-router."""
@@ -321,7 +253,7 @@ class LocalCluster:
         def launch(name, exe, args, port):
             return self._launch(state, name, exe, args, port)
 
-        real = [node.RealNode(i, self.dir / "nodes" / f"{node.REAL_NODE_PREFIX}{i}", _free_port(), _free_port())
+        real = [node.RealNode(i, self.dir / "nodes" / f"{node.REAL_NODE_PREFIX}{i}", free_port(), free_port())
                 for i in range(count)]
         state["real_nodes"] = [n.as_dict() for n in real]
         self.state_file.write_text(json.dumps(state, indent=2))
@@ -334,7 +266,7 @@ class LocalCluster:
                            f"{n.name} to register")
                 node.register_node(n, self.kubectl)
             node.start_host_agents(launch=launch, cluster_dir=self.dir, kubeconfig=self.kubeconfig,
-                                   service_cidr=SERVICE_CIDR, tc=tc, ports=(_free_port(), _free_port()),
+                                   service_cidr=SERVICE_CIDR, tc=tc, ports=(free_port(), free_port()),
                                    wait=self._wait)
         except (node.NodeError, images.ImageError, host.HostError) as exc:
             raise ClusterError(str(exc)) from exc
@@ -352,7 +284,7 @@ class LocalCluster:
         names: list[str] = []
         try:
             for n in real:
-                names = images.import_image(n.socket, archive)
+                names = images.import_image(n.socket, os.fspath(archive))
         except images.ImageError as exc:
             raise ClusterError(str(exc)) from exc
         return names
@@ -376,32 +308,13 @@ class LocalCluster:
                                          for c in n.get("status", {}).get("conditions", []))]
         return len(ready) >= expected
 
-    @staticmethod
-    def _http_ok(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+    _http_ok = staticmethod(processes.http_ok)
 
-    def _wait(self, check, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            dead = [c.name for c in self.components() if not c.alive]
-            if dead:
-                raise ClusterError(f"{', '.join(dead)} exited while waiting for {what}")
-            if check():
-                return
-            time.sleep(0.25)
-        raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
+    def _wait(self, check, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+        processes.wait(check, timeout, what, self.components, ClusterError)
 
     def _log_tails(self) -> str:
-        parts = []
-        for f in sorted(self.logs.glob("*.log")) if self.logs.exists() else []:
-            lines = f.read_text(errors="replace").splitlines()[-6:]
-            if lines:
-                parts.append(f"--- {f.name} (last lines)\n" + "\n".join(lines))
-        return "\n".join(parts)
+        return processes.log_tails(self.logs.glob("*.log")) if self.logs.exists() else ""
 
     # ------------------------------------------------------------------ down
     def down(self, quiet: bool = False) -> bool:
@@ -409,23 +322,7 @@ class LocalCluster:
 
         Returns False when there was nothing to stop. Safe to call twice.
         """
-        comps = self.components() if self.state_file.exists() else []
-        for c in reversed(comps):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(c.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while any(c.alive for c in comps) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for c in comps:
-            if c.alive:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(c.pid, signal.SIGKILL)
-        # Reap our own children (when up() and down() run in one process) so no zombie stays.
-        for c in comps:
-            child = self._children.pop(c.pid, None)
-            if child is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.wait(timeout=5)
+        processes.stop(self.components() if self.state_file.exists() else [], self._children)
         real = [node.RealNode.from_dict(d) for d in ((self.state() or {}) if self.state_file.exists() else {})
                 .get("real_nodes", [])]
         if real or host.claim_holder() == str(self.dir):

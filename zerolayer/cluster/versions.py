@@ -6,6 +6,9 @@ KWOK = "v0.8.0"  # fake nodes whose pods become Running
 HELM = "v3.19.5"
 H2SPEC = "v2.2.1+incompatible"  # conformance suite for the runtime's HTTP/2 server
 KUBE_ROUTER = "v2.1.0"  # NetworkPolicy enforcer on real nodes (the only v2 version the Go proxy serves)
+# Jaeger v2 (cmd/jaeger: an OTLP receiver with in-memory storage and a query API), the real trace
+# receiver of the tracing tests. The Go module carries the v1.x tags (v1.76.0 is the v2.13.0 release).
+JAEGER = "v1.76.0"
 GO_DIRECTIVE = "1.25.0"
 
 BINARIES = (
@@ -28,6 +31,8 @@ NODE_BINARIES = (
 )
 
 NODE_STAMP = f"k8s{KUBERNETES}-kube-router{KUBE_ROUTER}"
+
+JAEGER_STAMP = f"jaeger{JAEGER}"
 
 STAMP = f"k8s{KUBERNETES}-etcd{ETCD}-kwok{KWOK}-helm{HELM}-h2spec{H2SPEC.split('+')[0]}"
 

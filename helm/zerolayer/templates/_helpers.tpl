@@ -36,5 +36,5 @@ pods (which run model code on untrusted prompts) run. */ -}}
 {{- end -}}
 
 {{- define "zerolayer.image" -}}
-{{- printf "%s:%s" .image.repository (default .chart.AppVersion .image.tag) -}}
+{{- printf "%s:%s" .image.repository (default (printf "%s-gpu" .chart.AppVersion) .image.tag) -}}
 {{- end -}}

@@ -151,6 +151,7 @@ async def stream_once(client: httpx.AsyncClient, base: str, tenant: str, ledger:
     body = {"model": model, "max_tokens": max_tokens, "stream": True,
             "messages": [{"role": "user", "content": f"audit me {tenant}"}]}
     got = 0
+    ended = False
     async with client.stream("POST", f"{base}/v1/messages", json=body,
                              headers={"x-api-key": key(tenant), "x-zerolayer-priority": "normal"}) as r:
         if r.status_code != 200:
@@ -169,8 +170,16 @@ async def stream_once(client: httpx.AsyncClient, base: str, tenant: str, ledger:
                     if usage != got:
                         ledger.usage_mismatch += 1
                         ledger.received[tenant] += usage - got
-            ledger.completed += 1
+                elif data.get("type") == "message_stop":
+                    ended = True
         except (httpx.TransportError, httpx.RemoteProtocolError):
+            pass
+        # A stream the runtime kill cut is broken however the transport reported it: an HTTP/2
+        # connection that closes can end the body with no error, and counting that stream as
+        # completed would leave its unmetered tail out of the kill's bound.
+        if ended:
+            ledger.completed += 1
+        else:
             ledger.broken += 1
 
 

@@ -20,7 +20,7 @@ from zerolayer.runtime.errors import EngineError
 from zerolayer.runtime.scheduler.api import TenantPolicy
 from zerolayer.runtime.scheduler.config import SchedulerConfig
 from zerolayer.runtime.scheduler.core import MicroScheduler
-from zerolayer.runtime.server import RuntimeServer
+from zerolayer.runtime.serving.server import RuntimeServer
 from zerolayer.runtime.tenants import Tenant, key_hash
 
 API_KEY = "tenant-key"

@@ -34,7 +34,7 @@ pytestmark = [
 GENERATE = """
 import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from zerolayer.runtime import tinymodel
+from zerolayer.runtime.node import tinymodel
 tinymodel.generate("/tmp/model")
 from vllm import LLM, SamplingParams
 llm = LLM(model="/tmp/model", kv_cache_memory_bytes=64 << 20, enforce_eager=True, max_model_len=256)
@@ -107,7 +107,7 @@ def run(socket: str, ref: str, name: str, *argv: str, timeout: float = 600) -> s
 
 
 def test_tag_and_archive(built: image.Image) -> None:
-    from zerolayer import __version__
+    from zerolayer.version import __version__
 
     assert built.tag == f"zerolayer/zerolayer:{__version__}-cpu"
     assert built.archive.is_file() and built.archive.parent == image.images_dir()
@@ -122,10 +122,10 @@ def test_a_warm_call_returns_at_once(built: image.Image, sources: pathlib.Path) 
 
 def test_imports_everything_the_pod_needs_as_non_root(ref: str, containerd: str) -> None:
     out = run(containerd, ref, "imports", "python3", "-c",
-              "import os, sys, zerolayer, zerolayer.runtime.server, zerolayer.operator, zerolayer.bpf.auditor, "
+              "import os, sys, zerolayer.version, zerolayer.runtime.serving.server, zerolayer.operator, zerolayer.bpf.auditor, "
               "zerolayer.bpf._probes, bcc, vllm, torch; "
               "print('uid', os.getuid(), 'python', sys.version.split()[0], 'vllm', vllm.__version__, "
-              "'torch', torch.__version__, 'zerolayer', zerolayer.__version__)")
+              "'torch', torch.__version__, 'zerolayer', zerolayer.version.__version__)")
     assert out.returncode == 0, out.stdout + out.stderr
     words = out.stdout.split()
     assert words[words.index("uid") + 1] == "65532"

@@ -13,7 +13,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from runtime_helpers import start_runtime  # noqa: E402
 
 from zerolayer.runtime.engine.synthetic import SyntheticEngine  # noqa: E402
-from zerolayer.runtime.server import RuntimeServer  # noqa: E402
+from zerolayer.runtime.serving.server import RuntimeServer  # noqa: E402
 
 
 @pytest.fixture

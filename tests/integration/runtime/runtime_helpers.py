@@ -21,7 +21,7 @@ import h2.settings
 from zerolayer.runtime.engine.synthetic import SyntheticEngine
 from zerolayer.runtime.limits import Limits
 from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, TenantPolicy
-from zerolayer.runtime.server import RuntimeServer
+from zerolayer.runtime.serving.server import RuntimeServer
 from zerolayer.runtime.tenants import Tenant, key_hash
 
 from zerolayer.contract import Priority

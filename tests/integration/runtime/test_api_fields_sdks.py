@@ -140,7 +140,8 @@ async def test_completions_and_unknown_fields(runtime):
         events = [e async for e in stream]
         assert "".join(c.text for e in events for c in e.choices) == reply.choices[0].text
         assert events[-1].usage.completion_tokens == 4
-        with pytest.raises(openai.BadRequestError, match="min_p: unknown field"):
-            await client.chat.completions.create(model="synthetic", messages=USER, extra_body={"min_p": 0.1})
-        with pytest.raises(openai.BadRequestError, match="echo: not supported"):
-            await client.completions.create(model="synthetic", prompt="x", echo=True)
+        with pytest.raises(openai.BadRequestError, match="use_beam_search: unknown field"):
+            await client.chat.completions.create(model="synthetic", messages=USER,
+                                                 extra_body={"use_beam_search": True})
+        with pytest.raises(openai.BadRequestError, match="echo with logprobs: not supported"):
+            await client.completions.create(model="synthetic", prompt="x", echo=True, logprobs=1)

@@ -82,7 +82,7 @@ LLAMA3_CALL = {"type": "object", "required": ["name", "parameters"], "additional
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> pathlib.Path:
-    from zerolayer.runtime import tinymodel
+    from zerolayer.runtime.node import tinymodel
 
     source = tinymodel.generate(REPO / ".models" / "tiny-llama")
     target = tmp_path_factory.mktemp("models") / MODEL
@@ -153,8 +153,9 @@ async def test_unknown_and_unsupported_fields_are_400s_naming_them(oai, ant):
     import anthropic
     import openai
 
-    with pytest.raises(openai.BadRequestError, match="min_p: unknown field"):
-        await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, extra_body={"min_p": 0.1})
+    with pytest.raises(openai.BadRequestError, match="use_beam_search: unknown field"):
+        await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+                                          extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="reasoning_effort: not supported"):
         await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, reasoning_effort="high")
     with pytest.raises(anthropic.BadRequestError, match="thinking: not supported"):
@@ -312,6 +313,14 @@ async def test_anthropic_tool_use_and_tool_result(ant):
     assert followup.stop_reason in ("end_turn", "max_tokens")
 
 
+async def test_anthropic_count_tokens_is_the_messages_input_tokens(ant):
+    request = {"model": MODEL, "system": "Answer briefly.", "messages": USER, "tools": ANTHROPIC_TOOLS,
+               "tool_choice": {"type": "tool", "name": "weather"}}
+    counted = await ant.messages.count_tokens(**request)
+    reply = await ant.messages.create(**request, max_tokens=2)
+    assert counted.input_tokens == reply.usage.input_tokens > 0
+
+
 # ---------------------------------------------------------------- tool calls streamed as they are generated
 
 async def openai_stream(oai, **request):  # type: ignore[no-untyped-def]
@@ -409,3 +418,90 @@ async def test_completions_endpoint(oai, tokenizer):
     stream = await oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, stream=True)
     pieces = [c async for c in stream]
     assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+
+
+# ---------------------------------------------------------------- what vllm serve's users send (issue 31)
+
+async def test_seeds_across_the_64_bit_range_are_served_and_outside_it_are_400s(oai):
+    import openai
+
+    for seed in (-2**63, 2**63 - 1):
+        reply = await oai.completions.create(model=MODEL, prompt="Once", max_tokens=2, seed=seed)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    for seed in (-2**63 - 1, 2**63):
+        with pytest.raises(openai.BadRequestError, match="seed must be an integer in"):
+            await oai.completions.create(model=MODEL, prompt="Once", max_tokens=2, seed=seed)
+
+
+async def test_required_tool_choice_with_pydantic_defs_is_served(oai):
+    parameters = {"type": "object", "additionalProperties": False, "required": ["city", "options"],
+                  "$defs": {"WeatherOptions": {"type": "object", "additionalProperties": False,
+                                               "required": ["unit"], "properties": {"unit": {"enum": ["C", "F"]}}}},
+                  "properties": {"city": {"enum": ["Oslo", "Lima"]}, "options": {"$ref": "#/$defs/WeatherOptions"}}}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": parameters}}]
+    reply = await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=120, tools=tools,
+                                              tool_choice="required", parallel_tool_calls=False, seed=3)
+    (call,) = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments)["options"]["unit"] in ("C", "F")
+
+
+async def test_completions_prompt_lists_token_ids_echo_and_logprobs(oai, tokenizer):
+    import openai
+
+    ids = tokenizer.encode("Once upon a time", add_special_tokens=True)
+    reply = await oai.completions.create(model=MODEL, prompt=["Once upon", "A long time ago"], max_tokens=3, n=2)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    by_ids = await oai.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=2, echo=True)
+    assert by_ids.choices[0].text.startswith(tokenizer.decode(ids))
+    assert by_ids.usage.prompt_tokens == len(ids) + 3
+    only = await oai.completions.create(model=MODEL, prompt="Once upon", max_tokens=0, echo=True)
+    assert only.choices[0].text == "Once upon" and only.usage.completion_tokens == 0
+    wide = await oai.completions.create(model=MODEL, prompt=ids, max_tokens=2, logprobs=10)
+    assert all(len(top) >= 10 for top in wide.choices[0].logprobs.top_logprobs)
+    with pytest.raises(openai.BadRequestError, match="token id 10000000 is out of vocabulary"):
+        await oai.completions.create(model=MODEL, prompt=[1, 10_000_000], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):  # above vLLM's max_logprobs (20)
+        await oai.completions.create(model=MODEL, prompt="Once", max_tokens=2, logprobs=21)
+
+
+@pytest.mark.parametrize("spec, check", [
+    ({"choice": ["alpha", "beta"]}, lambda text: text in ("alpha", "beta")),
+    ({"regex": "[0-9]{3}"}, lambda text: len(text) == 3 and text.isdigit()),
+    ({"grammar": 'root ::= "yes" | "no"'}, lambda text: text in ("yes", "no")),
+])
+async def test_structured_outputs_constrain_the_text(oai, spec, check):
+    reply = await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=8,
+                                              extra_body={"structured_outputs": spec})
+    assert check(reply.choices[0].message.content)
+
+
+async def test_chat_template_kwargs_reach_vllms_template_filter(oai):
+    reply = await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_continuous_usage_cached_tokens_and_model_cards(oai, server):
+    long = "zero layer " * 100
+    for _ in range(2):  # the second finds the first's blocks in vLLM's prefix cache
+        reply = await oai.completions.create(model=MODEL, prompt=long, max_tokens=2)
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0
+    stream = await oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=3, stream=True,
+                                               stream_options={"include_usage": True,
+                                                               "continuous_usage_stats": True})
+    chunks = [c async for c in stream]
+    assert all(c.usage is not None for c in chunks)
+    assert chunks[-1].usage.completion_tokens == max(c.usage.completion_tokens for c in chunks[:-1])
+    (card,) = (await oai.models.list()).data
+    assert card.model_extra["max_model_len"] == 1024 and card.model_extra["root"].endswith(MODEL)
+
+
+async def test_vllms_sampling_extensions_are_served(oai, tokenizer):
+    (the,) = tokenizer.encode(" the", add_special_tokens=False)
+    stopped = await oai.completions.create(model=MODEL, prompt="Once", max_tokens=6, logit_bias={str(the): 100},
+                                           extra_body={"stop_token_ids": [the]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    held = await oai.completions.create(model=MODEL, prompt="Once", max_tokens=5, seed=1,
+                                        extra_body={"min_tokens": 5, "min_p": 0.05, "repetition_penalty": 1.1,
+                                                    "skip_special_tokens": False})
+    assert held.usage.completion_tokens == 5

@@ -14,8 +14,8 @@ import pytest
 from hub_mirror import HubMirror
 
 from zerolayer import models as model_layout
-from zerolayer.runtime import fetch_model
-from zerolayer.runtime.fetch_model import MARKER, FetchError, fetch
+from zerolayer.runtime.node import fetch_model
+from zerolayer.runtime.node.fetch_model import MARKER, FetchError, fetch
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 REPO_ID = "zerolayer-test/tiny-llama"
@@ -25,7 +25,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> pathlib.Path:
     pytest.importorskip("transformers")
-    from zerolayer.runtime import tinymodel
+    from zerolayer.runtime.node import tinymodel
 
     return tinymodel.generate(tmp_path_factory.mktemp("hub") / "tiny-llama")
 

@@ -11,7 +11,7 @@ import ssl
 import pytest
 from runtime_helpers import KEY, chat_body, tenants
 
-from zerolayer.runtime import incluster
+from zerolayer.runtime.node import incluster
 from zerolayer.runtime.config import build_server, parse_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="session")]

@@ -37,7 +37,7 @@ ENGINE = {"kind": "vllm", "max_model_len": 512, "max_num_seqs": 4, "kv_cache_mem
 
 @pytest.fixture(scope="module")
 def node_config(tmp_path_factory) -> pathlib.Path:
-    from zerolayer.runtime import tinymodel
+    from zerolayer.runtime.node import tinymodel
 
     base_a = tinymodel.generate(REPO / ".models" / "tiny-llama")
     root = tmp_path_factory.mktemp("multi")

@@ -98,8 +98,9 @@ async def test_keys_and_prompts_appear_nowhere_a_run_writes(tmp_path):
                                                    {"x-api-key": WRONG_KEY}))
                     statuses.append(await exchange(responses, client, url + path, body(api)[:-7], good))  # bad JSON
                     statuses.append(await exchange(responses, client, url + path, json.dumps(
-                        {"model": "synthetic", "max_tokens": 4, "messages": [{"role": PROMPT, "content": PROMPT}]}
-                    ).encode(), good))  # valid JSON, invalid request
+                        {"model": "synthetic", "max_tokens": 4, "messages": [{"role": "user", "content": PROMPT}],
+                         "temperature": PROMPT}  # a string where a number belongs: 400 in both APIs (a custom
+                    ).encode(), good))  # message role is valid on OpenAI's, as in vLLM) and the value is secret
             await disconnect_mid_stream(port, responses)
             for _ in range(6):  # past requests_per_minute: 429s
                 statuses.append(await exchange(responses, h2, url + PATHS["anthropic"], body("anthropic"),

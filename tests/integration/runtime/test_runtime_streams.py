@@ -18,11 +18,11 @@ import h2.events
 import pytest
 from runtime_helpers import KEY, H2Client, chat_body, sse_events, start_runtime
 
-from zerolayer.contract import H2_CANCEL, H2_ENHANCE_YOUR_CALM, H2_NO_ERROR, ErrorCode
+from zerolayer.contract import H2_CANCEL, H2_ENHANCE_YOUR_CALM, H2_NO_ERROR, H2_REFUSED_STREAM, ErrorCode
 from zerolayer.runtime.engine.synthetic import SyntheticEngine
 from zerolayer.runtime.gpu.simulated import SimulatedGpuSource
 from zerolayer.runtime.limits import Limits
-from zerolayer.runtime.server import tls_context
+from zerolayer.runtime.serving.server import tls_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="session")]
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -104,17 +104,67 @@ async def test_memory_pressure_refuses_low_and_preempts_running_low_streams():
 
 
 async def test_graceful_drain_finishes_streams_and_refuses_new_ones(slow_runtime):
+    """While a stream is open the draining connection refuses new streams (REFUSED_STREAM) and
+    sends no GOAWAY; the GOAWAY comes once the last stream has ended, naming it."""
     async with H2Client(slow_runtime.port) as client:
-        first = await client.request("/v1/messages", chat_body(max_tokens=50), {"x-api-key": KEY})
+        first = await client.request("/v1/messages", chat_body(max_tokens=100), {"x-api-key": KEY})
         await asyncio.wait_for(client.streams[first].got_data.wait(), 5)
         stopping = asyncio.get_running_loop().create_task(slow_runtime.stop(drain_timeout_s=20))
+        await wait_for(lambda: slow_runtime.draining)
+        late = await client.request("/v1/messages", chat_body(max_tokens=5), {"x-api-key": KEY})
+        await asyncio.wait_for(client.streams[late].done.wait(), 5)
+        assert client.streams[late].reset_code == H2_REFUSED_STREAM and client.streams[late].status is None
+        assert not client.goaway_seen.is_set() and not client.streams[first].done.is_set()
+        await asyncio.wait_for(client.streams[first].done.wait(), 10)
         await asyncio.wait_for(client.goaway_seen.wait(), 5)
         assert client.goaway.error_code == H2_NO_ERROR and client.goaway.last_stream_id == first
-        await asyncio.wait_for(client.streams[first].done.wait(), 10)
         await asyncio.wait_for(stopping, 10)
     result = client.streams[first]
     assert result.ended and result.reset_code is None
     assert sse_events(bytes(result.body))[-1][0] == "message_stop"
+
+
+async def test_sdk_and_httpx_streams_open_at_drain_start_complete(slow_runtime):
+    """httpcore 1.0.9 raises on every open stream once any GOAWAY arrives (encode/httpcore#730): the
+    SDK's stream and plain httpx HTTP/2 and HTTP/1.1 streams open when the drain starts must still
+    complete, and a request the SDK sends on the draining connection is refused, not processed."""
+    import contextlib
+
+    import httpx
+
+    from zerolayer.client import AsyncClient, RetryPolicy, StreamRefused
+
+    no_retry = RetryPolicy(max_retries=0)
+    url, headers = f"{slow_runtime.base_url}/v1/messages", {"x-api-key": KEY, "content-type": "application/json"}
+    async with contextlib.AsyncExitStack() as stack:
+        sdk = await stack.enter_async_context(AsyncClient(api_key=KEY, base_url=slow_runtime.base_url,
+                                                          retry_policy=no_retry))
+        stream = await sdk.messages.create(model="synthetic", max_tokens=100, stream=True,
+                                           messages=[{"role": "user", "content": "hello"}])
+        sdk_events = stream.__aiter__()
+        events = [await sdk_events.__anext__()]
+        bodies, chunks = [], {}
+        for version, plain in (("HTTP/2", httpx.AsyncClient(http1=False, http2=True, timeout=10)),
+                               ("HTTP/1.1", httpx.AsyncClient(timeout=10))):
+            await stack.enter_async_context(plain)
+            answer = await stack.enter_async_context(plain.stream("POST", url, content=chat_body(max_tokens=100),
+                                                                  headers=headers))
+            assert answer.status_code == 200 and answer.http_version == version
+            bodies.append((version, answer.aiter_bytes()))
+            chunks[version] = [await bodies[-1][1].__anext__()]
+        stopping = asyncio.get_running_loop().create_task(slow_runtime.stop(drain_timeout_s=20))
+        await wait_for(lambda: slow_runtime.draining)
+        with pytest.raises(StreamRefused) as refused:
+            await sdk.messages.create(model="synthetic", max_tokens=5, messages=[{"role": "user", "content": "late"}])
+        assert refused.value.processed is False
+        for version, body in bodies:
+            chunks[version] += [chunk async for chunk in body]
+        events += [event async for event in sdk_events]
+        await asyncio.wait_for(stopping, 10)
+    assert [e.type for e in events][-1] == "message_stop"
+    assert sum(e.type == "content_block_delta" for e in events) == 100
+    for version, got in chunks.items():
+        assert sse_events(b"".join(got))[-1][0] == "message_stop", version
 
 
 async def test_streams_still_running_at_the_drain_deadline_end_with_a_retryable_error(slow_runtime):

@@ -27,7 +27,7 @@ MESSAGES = [{"role": "user", "content": "Say something about zero layers."}]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def vllm_runtime() -> AsyncIterator:
-    from zerolayer.runtime import tinymodel
+    from zerolayer.runtime.node import tinymodel
     from zerolayer.runtime.engine.vllm_engine import VllmEngine
 
     path = await asyncio.to_thread(tinymodel.generate, REPO / ".models" / MODEL)

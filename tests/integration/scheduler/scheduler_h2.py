@@ -12,7 +12,7 @@ import time
 import httpx
 
 from zerolayer.runtime.scheduler import TenantPolicy
-from zerolayer.runtime.server import RuntimeServer
+from zerolayer.runtime.serving.server import RuntimeServer
 from zerolayer.runtime.tenants import Tenant, key_hash
 
 API_KEY = "scheduler-test-key"

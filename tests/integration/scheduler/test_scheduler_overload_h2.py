@@ -26,7 +26,7 @@ from scheduler_h2 import API_KEY, tenant
 from zerolayer.runtime.engine.base import ChatMessage
 from zerolayer.runtime.gpu import CpuSource
 from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig
-from zerolayer.runtime.server import RuntimeServer
+from zerolayer.runtime.serving.server import RuntimeServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

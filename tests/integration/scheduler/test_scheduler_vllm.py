@@ -28,7 +28,7 @@ def unfinished(engine) -> int:
 
 async def test_vllm_serves_high_first_and_aborts_expired_work(tmp_path_factory):
     from zerolayer.runtime.engine.vllm_engine import VllmEngine
-    from zerolayer.runtime.tinymodel import generate
+    from zerolayer.runtime.node.tinymodel import generate
 
     model = await asyncio.to_thread(generate, tmp_path_factory.mktemp("model") / "tiny-llama")
     engine = VllmEngine(str(model), served_name="synthetic", max_num_seqs=1, max_model_len=2048,

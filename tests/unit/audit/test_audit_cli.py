@@ -94,3 +94,61 @@ def test_pod_filter_needs_the_kernel_path_auto_falls_back_bpf_refuses(tmp_path, 
     assert "journal mode" in capsys.readouterr().out
     assert main(["auditor", "--source", "bpf", *common]) == 2
     assert "cannot find the cgroup of pod uid 0000-1111" in capsys.readouterr().err
+
+
+def test_gpu_source_auto_without_a_driver_bills_without_energy_and_nvml_refuses(monkeypatch, caplog):
+    """What the operator deploys (``auto``) must start on a node without NVIDIA's library (a CPU node);
+    an explicit ``nvml`` there is a clear error. On this machine NVML cannot start."""
+    import pytest as _pytest
+
+    from zerolayer.bpf import cli as audit_cli
+    from zerolayer.bpf.errors import AuditError
+    from zerolayer.runtime.gpu import nvml
+    from zerolayer.runtime.gpu.api import GpuSourceError
+
+    def no_driver(*_args, **_kwargs):
+        raise GpuSourceError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(nvml, "NvmlSource", no_driver)
+    with caplog.at_level("WARNING"):
+        assert audit_cli._energy_source("auto") is None
+    assert "without its energy part" in caplog.text
+    with _pytest.raises(AuditError, match="--gpu-source=nvml"):
+        audit_cli._energy_source("nvml")
+
+
+def test_the_auditor_records_its_mode_as_an_event_on_its_pod(tmp_path, capsys, monkeypatch):
+    """--mode-event-pod: the mode the auditor meters in, and why, on its pod (kubectl describe), through the
+    one wrapper that calls the API (``zerolayer.bpf.kube.record_pod_event``); a failed write is logged and
+    metering goes on."""
+    from zerolayer.bpf import kube
+    from zerolayer.bpf.auditor import Auditor
+    from zerolayer.bpf.errors import AuditError
+
+    monkeypatch.setattr(Auditor, "run", lambda self: None)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    events = []
+    monkeypatch.setattr(kube, "record_pod_event", lambda ref, **kw: events.append((ref, kw)))
+    common = ["--db", str(tmp_path / "a.db"), "--spool", str(tmp_path / "spool"), "--pod-uid", "0000-1111",
+              "--cgroup-root", str(tmp_path / "no-cgroups"), "--mode-event-pod", "zl-run/zl-runtime-x"]
+    assert main(["auditor", "--source", "auto", *common]) == 0
+    ref, kw = events.pop()
+    assert ref == "zl-run/zl-runtime-x" and kw["uid"] == "0000-1111" and kw["warning"] is True
+    assert kw["reason"] == "AuditorJournalMode"
+    assert kw["message"].startswith("journal mode: the kernel path could not start here (cannot find the cgroup")
+    assert "journal mode, store" in capsys.readouterr().out
+    assert main(["auditor", "--source", "journal", *common]) == 0
+    ref, kw = events.pop()
+    assert kw["warning"] is False and kw["message"] == "journal mode: --source=journal; metering from the runtime's journal"
+
+    def refused(ref, **kw):
+        raise AuditError("cannot record Event AuditorJournalMode on pod zl-run/zl-runtime-x: Forbidden")
+    monkeypatch.setattr(kube, "record_pod_event", refused)
+    assert main(["auditor", "--source", "journal", *common]) == 0  # the log still names the mode
+    assert "journal mode, store" in capsys.readouterr().out
+
+
+def test_mode_message_names_the_kernel_mode():
+    from zerolayer.bpf.cli import mode_message
+
+    assert mode_message("bpf", "auto", None) == "bpf mode: in the kernel, attached to the runtime's USDT token probe"

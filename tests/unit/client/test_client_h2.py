@@ -314,3 +314,22 @@ async def test_async_stream_retries_before_first_token_and_raises_after(peer, fa
         assert message.attempts == 2 and peer.requests[-1].json["max_tokens"] == 5
         with pytest.raises(ValueError):
             await c.messages.create(model="tiny", max_tokens=4, messages=HI, session="x")
+
+
+def test_a_cold_model_is_waited_for_without_spending_retries_or_the_budget(peer):
+    """Issue 25: five refusals while a fleet scales from zero, then the answer; max_retries=1 and an
+    empty-able budget of one retry would have raised on the second refusal before."""
+    events = []
+    cold = error(503, "MODEL_UNAVAILABLE", {"retry-after-ms": "500"})
+    peer.script(*[cold] * 5)
+    budget = RetryBudget(ratio=0.0, burst=1)
+    with client(peer, RetryPolicy(max_retries=1, model_wait_s=60, rng=lambda: 0.0), retry_budget=budget,
+                on_event=events.append) as c:
+        message = c.messages.create(model="tiny", max_tokens=4, messages=HI)
+    assert message.endpoint == peer.url and len(peer.requests) == 6
+    waits = [e for e in events if isinstance(e, RetryScheduled)]
+    assert [e.reason for e in waits] == ["model_wait"] * 5 and budget.retries == 0
+    peer.script(*[cold] * 3)
+    with client(peer, RetryPolicy(max_retries=0, model_wait_s=1.2, rng=lambda: 0.0)) as c:
+        with pytest.raises(ModelUnavailable):  # the bound: 0.5 + 0.5 s waited, a third would pass 1.2 s
+            c.messages.create(model="tiny", max_tokens=4, messages=HI)

@@ -113,3 +113,19 @@ def test_deadline_fallback_changes_the_requested_model_not_only_the_hint():
     pinned = AttemptParams(number=1, max_tokens=8, model_hint="pool-a", deadline_s=0.5, model="big")
     d2 = policy().decide(errors.DeadlineExceeded("late"), pinned, streaming=False)
     assert (d2.next.model, d2.next.model_hint) == ("small", "pool-a")  # a hint naming no model is kept
+
+
+def test_a_model_no_node_serves_yet_is_waited_for_within_model_wait_s():
+    """Issue 25: a fleet scaling from zero answers MODEL_UNAVAILABLE with retry-after 5 until its first
+    node is up; the SDK waits for it (bounded by model_wait_s) instead of spending its retries."""
+    cold = errors.ModelUnavailable("no node serves it yet", retry_after=5.0, processed=False)
+    p = policy(max_retries=0, model_wait_s=60.0)
+    assert p.wait_for_model(cold, waited_s=0.0) == pytest.approx(5.5)  # retry-after, up to 20 % later
+    assert p.wait_for_model(cold, waited_s=55.0) is None  # 55 + 5.5 > 60: raised (decide() then says)
+    assert policy(model_wait_s=0).wait_for_model(cold, 0.0) is None
+    for other in (errors.ModelUnavailable("x", retry_after=0.1, processed=False),  # not a paced wait
+                  errors.ModelUnavailable("x", processed=False),  # no retry-after
+                  errors.ModelUnavailable("x", retry_after=5.0, alternatives=("http://b",), processed=False),
+                  errors.ModelUnavailable("x", retry_after=5.0, processed=False, should_retry=False),
+                  errors.ResourceExhausted("busy", retry_after=5.0, processed=False)):
+        assert p.wait_for_model(other, 0.0) is None

@@ -175,9 +175,17 @@ def test_only_nodes_serving_the_model_are_chosen():
     router, *_ = nodes_router(nodes)
     assert {router.choose(f"s{i}", model="small").endpoint for i in range(60)} == {"http://b", "http://c"}
     assert {router.choose(f"s{i}", model="big").endpoint for i in range(60)} == {"http://a", "http://b", "http://c"}
+
+
+
+def test_a_model_no_node_serves_goes_to_any_node_to_record_demand_and_nothing_usable_raises():
+    """Issue 25: with no node serving the model (a fleet at zero) the SDK used to raise NoNodeAvailable
+    at once; now any fresh, admitting node gets it, refuses it retryably and records the demand."""
     only = nodes_router([Node("a", "http://a", models=("big",))])[0]
+    assert only.choose("s", model="small").endpoint == "http://a"
+    shut = nodes_router([Node("a", "http://a", models=("big",), admitting=False)])[0]
     with pytest.raises(errors.NoNodeAvailable, match="serving small"):
-        only.choose("s", model="small")
+        shut.choose("s", model="small")
 
 
 def test_alternatives_not_serving_the_model_are_skipped():

@@ -128,6 +128,34 @@ async def test_release_calls_the_engine_hook_and_collects():
     assert (await release(object()))[0].startswith("gc.collect")  # engines without the hook
 
 
+class PrefixCacheThatMustStay:
+    """A stand-in for vLLM's AsyncLLM: resetting its prefix cache would free nothing (vLLM counts idle
+    prefix blocks as free) and lose what prefix-aware routing sends requests here for."""
+
+    errored = False
+
+    async def reset_prefix_cache(self):
+        raise AssertionError("gpu-defragd's nudge must not reset vLLM's prefix cache")
+
+
+async def test_a_vllm_engine_releases_nothing_and_keeps_its_prefix_cache(caplog):
+    from zerolayer.runtime.engine.base import MemoryRelease
+    from zerolayer.runtime.engine.router import ModelRouter
+    from zerolayer.runtime.engine.synthetic import SyntheticEngine
+    from zerolayer.runtime.engine.vllm_engine import NOTHING_TO_RELEASE, VllmEngine
+
+    engine = VllmEngine("/models/m", served_name="m")
+    engine._llm = PrefixCacheThatMustStay()  # started, as far as release_memory can tell
+    engine.served_prefixes.observe([1, 2, 3])
+    with caplog.at_level("DEBUG", logger="zerolayer.runtime.engine.vllm_engine"):
+        steps = await release(engine)
+    assert steps[0] == f"engine.release_memory(freed 0 bytes: {NOTHING_TO_RELEASE})"
+    assert NOTHING_TO_RELEASE in caplog.text  # said at debug, why nothing was done
+    assert len(engine.served_prefixes) == 3  # the gossiped digest keeps routing prefixes here
+    router = ModelRouter([engine, SyntheticEngine(("s",))])  # the synthetic engine has no hook
+    assert await router.release_memory() == MemoryRelease(freed_bytes=0, note=NOTHING_TO_RELEASE)
+
+
 @pytest.mark.timeout(10)
 async def test_sigusr1_runs_release_on_the_loop():
     engine = ReleasingEngine()

@@ -135,7 +135,7 @@ def test_node_api_without_configuration_is_a_kube_api_error(tmp_path):
 
 
 def test_advertised_endpoint_replaces_the_wildcard_address(monkeypatch):
-    from zerolayer.runtime.gossip.hook import advertised_endpoint
+    from zerolayer.runtime.node.agent import advertised_endpoint
 
     assert advertised_endpoint("http://127.0.0.1:8443", "127.0.0.1", 8443) == "http://127.0.0.1:8443"
     monkeypatch.setenv("POD_IP", "10.1.2.3")

@@ -146,3 +146,12 @@ def test_failed_patch_is_retried_with_backoff_and_not_forgotten():
     # first try fails at tick 0; retried after 0.5 s (tick 3) which fails too; then after 1 s (tick 8)
     assert [(t, r) for t, r, _ in out] == [(0, "first"), (3, "first"), (8, "first")]
     assert state.last_status is not None and state.failures == 0
+
+
+def test_an_adapter_loaded_or_unloaded_while_running_goes_out_at_once():
+    s = GossipSettings()
+    a = build_status([reading(0.5)], {"GPU-0": True}, Load(), endpoint="e", heartbeat=0, models=["m", "m-sql"])
+    more = build_status([reading(0.5)], {"GPU-0": True}, Load(), endpoint="e", heartbeat=1,
+                        models=["m", "m-sql", "m-chat"])
+    assert change_reason(a, more, s) == "models" and change_reason(more, a, s) == "models"
+    assert change_reason(a, dict(a, lastHeartbeat=more["lastHeartbeat"]), s) is None

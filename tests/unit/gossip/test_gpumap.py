@@ -119,9 +119,9 @@ def test_map_table_shows_nodes_gpus_and_verdicts():
 
 
 def test_gossip_and_defrag_stay_below_the_server():
-    code = ("import sys, zerolayer.runtime.gossip, zerolayer.runtime.gossip.hook, zerolayer.runtime.defrag.daemon, "
+    code = ("import sys, zerolayer.runtime.gossip, zerolayer.runtime.node.agent, zerolayer.runtime.defrag.daemon, "
             "zerolayer.runtime.defrag.cli; "
-            "bad = [m for m in sys.modules if m.startswith(('zerolayer.runtime.server', 'zerolayer.runtime.app', "
+            "bad = [m for m in sys.modules if m.startswith(('zerolayer.runtime.serving.server', 'zerolayer.runtime.serving.app', "
             "'zerolayer.runtime.scheduler', 'zerolayer.runtime.engine', 'zerolayer.operator', 'zerolayer.client'))];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

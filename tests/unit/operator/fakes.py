@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import itertools
 
-from zerolayer.operator.kube import SecretCheck, is_subset, _comparable
+from zerolayer.operator.kube import SecretCheck, is_subset
+from zerolayer.operator.kubecache import comparable as _comparable
 from zerolayer.operator.errors import NotOwned
 from zerolayer.operator.manifests import TENANT_KEYS_SECRET, foreign_controller, key_hashes, read_tenant_key_entry
 
@@ -36,6 +37,7 @@ class FakeKube:
         self.events: list[tuple] = []
         self.crds: set[str] = set()
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}
+        self.secret_labels: dict[tuple[str, str], dict[str, str]] = {}  # metadata.labels of those Secrets
         self.reads: list[tuple] = []  # (kind, name, cached) of every get()
 
     # helpers for tests
@@ -118,10 +120,11 @@ class FakeKube:
         data = self.secrets.get((namespace, name))
         if data is None:
             return SecretCheck(found=False)
+        labels = tuple(sorted(self.secret_labels.get((namespace, name), {}).items()))
         if key not in data:
-            return SecretCheck(found=True)
+            return SecretCheck(found=True, labels=labels)
         hashes = tuple(key_hashes(data[key]))
-        return SecretCheck(found=True, has_key=True, key_count=len(hashes), key_hashes=hashes)
+        return SecretCheck(found=True, has_key=True, key_count=len(hashes), key_hashes=hashes, labels=labels)
 
     async def read_published_keys(self, namespace):
         secret = self.find("v1", "Secret", TENANT_KEYS_SECRET, namespace)

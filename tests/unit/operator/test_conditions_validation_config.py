@@ -35,7 +35,6 @@ def test_merge_is_idempotent_and_keeps_order():
     ({}, "nodeName is required"),
     ({"nodeName": "n", "models": []}, "at least one model"),
     ({"nodeName": "n", "models": [{"name": "a", "default": True}, {"name": "b", "default": True}]}, "only one model"),
-    ({"nodeName": "n", "models": [{"name": "a", "lighterModel": "z"}]}, "does not serve"),
     ({"nodeName": "n", "models": [{"name": "a"}], "scheduler": {"resumeThreshold": 0.95, "memoryThreshold": 0.9}},
      "resumeThreshold must be below"),
     ({"nodeName": "n", "models": [{"name": "a"}], "gossip": {"heartbeatSeconds": 30, "staleAfterSeconds": 10}},
@@ -46,8 +45,7 @@ def test_inference_node_problems(spec, fragment):
 
 
 def test_valid_specs_have_no_problems():
-    assert validation.inference_node_problems({"nodeName": "n", "models": [{"name": "a", "lighterModel": "b"},
-                                                                           {"name": "b"}]}) == []
+    assert validation.inference_node_problems({"nodeName": "n", "models": [{"name": "a"}, {"name": "b"}]}) == []
     assert validation.tenant_quota_problems({"tenant": "t", "apiKeySecretRef": {"name": "s"}, "namespaces": ["a"],
                                              "tokensPerMinute": 1, "requestsPerMinute": 1}) == []
 

@@ -3,10 +3,10 @@ import pathlib
 
 import pytest
 
-from zerolayer.operator import kube
+from zerolayer.operator import kube, kubecache, kubehttp
 from zerolayer.operator.errors import KubeError
 
-OPERATOR = pathlib.Path(__file__).resolve().parents[3] / "operator"
+OPERATOR = pathlib.Path(__file__).resolve().parents[3] / "operator" / "zerolayer" / "operator"
 
 
 def test_is_subset_ignores_server_defaults_but_sees_changes():
@@ -37,26 +37,30 @@ def _imports(path: pathlib.Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "zerolayer.operator":
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # from zerolayer.operator import plan
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
     return names
 
 
 def test_layers():
-    """handlers -> reconcile -> kube; pure modules import no I/O; nothing imports the runtime;
-    only kube.py talks to Kubernetes."""
-    pure = {"manifests", "conditions", "validation", "config", "errors"}
+    """handlers -> reconcile -> plan | apply -> kube; pure modules (the planner among them) import no
+    I/O; nothing imports the runtime; only the kube layer (kube.py and its parts) talks to Kubernetes; only
+    handlers.py knows kopf."""
+    kube_layer = {"kube", "kubehttp", "kubecache", "watchstream"}
+    pure = {"manifests", "conditions", "validation", "config", "errors", "plan"}
     for path in OPERATOR.glob("*.py"):
         imports = _imports(path)
         assert not any(i.startswith("zerolayer.runtime") for i in imports), path.name
-        if path.stem != "kube":
+        if path.stem not in kube_layer:
             assert not any(i.split(".")[0] in ("kubernetes", "aiohttp") for i in imports), path.name
         if path.stem in pure:
             ours = {i.rsplit(".", 1)[-1] for i in imports if i.startswith("zerolayer.operator")}
             assert ours <= pure, (path.name, ours)
             assert "kopf" not in imports, path.name
-        if path.stem == "reconcile":
-            assert "kopf" not in imports and "zerolayer.operator.handlers" not in imports
+        if path.stem in ("reconcile", "apply", "keys", "nodes", "soon"):
+            assert "kopf" not in imports and "zerolayer.operator.handlers" not in imports, path.name
 
 
 class CountingKube(kube.Kube):
@@ -65,10 +69,7 @@ class CountingKube(kube.Kube):
 
     def __init__(self, objects):
         self.objects, self.calls = objects, []
-        self._on_request = lambda *a: None
-        self._seen, self._watched, self._crd_cache, self._desired = {}, set(), {}, {}
-        self._remembered = set()
-        self.cache_seconds = 300.0
+        self.cache, self._crd_cache = kubecache.ObjectCache(), {}
 
     async def send(self, method, path, *, body=None, content_type="application/json", query=None):
         self.calls.append((method, path, content_type, dict(query or {})))
@@ -140,7 +141,7 @@ async def test_real_send_names_the_field_manager():
     the HTTP session is replaced, so the real send() builds the request."""
     import types
 
-    class Transport(kube.Kube):
+    class Transport(kubehttp.ApiTransport):
         def __init__(self):
             self._on_request = lambda *a: None
 
@@ -176,7 +177,7 @@ async def test_real_send_names_the_field_manager():
 def test_drift_is_a_difference_from_what_we_applied():
     k = CountingKube({})
     k.watch("apps/v1", "DaemonSet", "ns")
-    k._desired[("apps/v1", "DaemonSet", "ns", "d")] = kube._comparable(_ds())
+    k.cache.desired[("apps/v1", "DaemonSet", "ns", "d")] = kubecache.comparable(_ds())
     assert not k.drifted(_ds())  # our own write's echo
     assert not k.drifted({**_ds(), "status": {"numberReady": 1}})  # status is not ours
     assert k.drifted({**_ds(), "metadata": {**_ds()["metadata"], "labels": {"a": "edited"}}})

@@ -277,4 +277,4 @@ async def test_a_burst_of_triggers_is_one_reconcile_from_the_newest_state():
     assert {c["type"]: c["status"] for c in status["conditions"]}["RuntimeReady"] == "True"
     rec.reconcile_soon(INODE, "gpu-node-0", delay=10)
     await rec.close()  # the operator's cleanup: nothing left running
-    assert rec._soon == {}
+    assert rec.soon.pending == {}

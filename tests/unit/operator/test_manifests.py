@@ -167,7 +167,7 @@ def test_runtime_rbac_is_least_privilege():
 
 
 def test_key_hashes_are_the_runtimes_digest_and_the_entry_round_trips():
-    from zerolayer.runtime.incluster import published_entries
+    from zerolayer.runtime.node.incluster import published_entries
     from zerolayer.runtime.tenants import key_hash
 
     assert m.key_hashes("sk-b\n\n sk-a \nsk-b\n") == sorted({key_hash("sk-a"), key_hash("sk-b")})
@@ -187,7 +187,7 @@ def test_network_policies_admit_only_declared_namespaces_on_the_serving_port():
     assert rule["ports"] == [{"protocol": "TCP", "port": "serving"}]
     assert rule["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["zl-op"]
     metrics = base["spec"]["ingress"][1]
-    assert metrics["ports"] == [{"protocol": "TCP", "port": "metrics"}]
+    assert metrics["ports"] == [{"protocol": "TCP", "port": "metrics"}, {"protocol": "TCP", "port": "audit-metrics"}]
     assert metrics["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["monitoring"]
     assert base["spec"]["policyTypes"] == ["Ingress", "Egress"]
     tenant = m.build_tenant_networkpolicy(tquota(), CONFIG)
@@ -252,3 +252,56 @@ def test_server_gets_a_memory_backed_dev_shm_for_the_engine():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in server["volumeMounts"]
     volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": m.SHM_SIZE_LIMIT}
+
+
+@pytest.mark.parametrize("spec, node_gpus, names", [
+    ({}, 1, ["server", "defragd", "auditor"]),
+    ({}, 8, ["server", "auditor"]),  # the runtime holds 1 of 8 GPUs: no defragd
+    ({"defrag": {"enabled": False}, "audit": {"enabled": False}}, 1, ["server"]),
+    ({"runtime": {"tlsSecretName": "tls"}, "models": [{"name": "a", "source": {"pvc": {"claimName": "c"}}}]}, None,
+     ["server", "auditor"]),
+])
+def test_each_container_brings_the_volumes_it_mounts(spec, node_gpus, names):
+    ds = m.build_daemonset(inode(**spec), CONFIG, node_gpus=node_gpus, node_kernel="6.8.0")
+    pod = ds["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == names
+    volumes = [v["name"] for v in pod["volumes"]]
+    assert len(volumes) == len(set(volumes))
+    for container in pod["containers"] + pod["initContainers"]:
+        assert {mount["name"] for mount in container.get("volumeMounts", ())} <= set(volumes), container["name"]
+
+
+def test_auditor_kernel_mode_is_the_charts_choice_adds_sys_admin_and_is_named_on_the_pod():
+    """runtime.auditor.kernelMode (ZEROLAYER_AUDITOR_KERNEL_MODE): off by default, the auditor never holds
+    SYS_ADMIN; on, it gets SYS_ADMIN (what lets the USDT probe attach on 6.18). Either way the pod says
+    which was asked (an annotation) and the auditor records the mode it runs as an Event on its pod."""
+    import dataclasses
+
+    default = build_ds(inode(), CONFIG)
+    kernel = m.build_daemonset(inode(), dataclasses.replace(CONFIG, auditor_kernel_mode=True), node_gpus=1,
+                               node_kernel="6.18.44-fc-v1147")
+    for ds, mode in ((default, "false"), (kernel, "true")):
+        assert ds["spec"]["template"]["metadata"]["annotations"][m.AUDITOR_KERNEL_MODE_ANNOTATION] == mode
+        auditor = containers(ds)["auditor"]
+        assert "--mode-event-pod=$(POD_NAMESPACE)/$(POD_NAME)" in auditor["args"]
+        assert {e["name"] for e in auditor["env"]} >= {"POD_NAMESPACE", "POD_NAME", "POD_UID"}
+    assert "SYS_ADMIN" not in containers(default)["auditor"]["securityContext"]["capabilities"]["add"]
+    caps = containers(kernel)["auditor"]["securityContext"]["capabilities"]
+    assert caps == {"drop": ["ALL"], "add": ["BPF", "PERFMON", "SYS_PTRACE", "DAC_READ_SEARCH", "SYS_ADMIN"]}
+    assert containers(kernel)["auditor"]["securityContext"]["privileged"] is False
+    # the server is untouched by the auditor's mode
+    assert containers(kernel)["server"]["securityContext"] == containers(default)["server"]["securityContext"]
+
+
+@pytest.mark.parametrize("raw, expected", [("true", True), ("false", False), ("1", True), ("0", False)])
+def test_auditor_kernel_mode_from_the_charts_environment(raw, expected):
+    config = OperatorConfig.from_env({"ZEROLAYER_AUDITOR_KERNEL_MODE": raw})
+    assert config.auditor_kernel_mode is expected
+    assert OperatorConfig.from_env({}).auditor_kernel_mode is False
+
+
+def test_auditor_kernel_mode_refuses_a_value_that_is_not_a_boolean():
+    from zerolayer.operator.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="ZEROLAYER_AUDITOR_KERNEL_MODE"):
+        OperatorConfig.from_env({"ZEROLAYER_AUDITOR_KERNEL_MODE": "yes please"})

@@ -109,6 +109,7 @@ def _hash(models, **spec):
     {"runtime": {"gpuMemoryUtilization": 0.8}},
     {"runtime": {"drainSeconds": 30}},
     {"scheduler": {"sampleIntervalMs": 100}},
+    {"audit": {"electricityPricePerKWh": "0.30"}},  # an auditor argument (issue 27)
 ])
 def test_hash_changes_with_what_the_runtime_reads_at_start(change):
     spec = {"models": [HOST]}
@@ -120,7 +121,7 @@ def test_hash_changes_with_what_the_runtime_reads_at_start(change):
                    "utilizationThreshold": 0.5, "maxPreemptionsPerTick": 5}},
     {"gossip": {"heartbeatSeconds": 3}},
     {"defrag": {"idleMinutes": 5}},
-    {"audit": {"electricityPricePerKWh": "0.30"}},
+    {"scheduler": {"pressureSignal": "gpuMemory"}},
     {"gpuType": "H100"},
 ])
 def test_hash_ignores_what_applies_live(change):

@@ -10,7 +10,7 @@ from zerolayer.operator import manifests as m
 from zerolayer.operator.config import OperatorConfig
 from zerolayer.operator.validation import engine_args_problems, inference_node_problems
 from zerolayer.runtime.config import parse_config
-from zerolayer.runtime.incluster import config_from_inferencenode
+from zerolayer.runtime.node.incluster import config_from_inferencenode
 
 CONFIG = OperatorConfig(runtime_namespace="zl-run", operator_namespace="zl-op", runtime_image="img:1")
 BASE = {"name": "base", "source": {"hostPath": {"path": "/srv/base"}}, "default": True, "toolCallParser": "hermes",

@@ -34,7 +34,7 @@ class ScriptedKube(kube.Kube):
         assert method == "GET" and path == "/api/v1/nodes"
         return self.lists.pop(0)
 
-    async def _watch_once(self, path, plural, version, timeout_seconds, selector=None):
+    async def watch_once(self, path, plural, version, timeout_seconds, selector=None):
         self.watch_versions.append(version)
         script = self.watches.pop(0)
         if isinstance(script, Exception):
@@ -120,11 +120,11 @@ async def test_a_missing_node_is_watched_by_name_until_it_appears():
         with pytest.raises(WaitingFor):
             await rec.reconcile_inference_node(inode)
     await asyncio.sleep(0.01)
-    assert selectors == ["metadata.name=gpu-node-0"] and list(rec._node_waits) == ["gpu-node-0"]
+    assert selectors == ["metadata.name=gpu-node-0"] and list(rec.nodes.watches) == ["gpu-node-0"]
     appeared.set()
     await asyncio.sleep(0.01)
     assert repaired == [(INODE, "gpu-node-0", 0.0)]
-    assert rec._node_waits == {}
+    assert rec.nodes.watches == {}
     await rec.close()
 
 
@@ -145,7 +145,7 @@ async def test_deleting_the_waiting_inference_node_closes_its_node_watch():
     await asyncio.sleep(0.01)
     await rec.delete_inference_node(kube_.find("zerolayer.io/v1alpha1", "InferenceNode", "gpu-node-0"))
     await asyncio.wait_for(closed.wait(), 1)
-    assert rec._node_waits == {} and "gpu-node-0" not in rec.missing_nodes
+    assert rec.nodes.watches == {} and "gpu-node-0" not in rec.nodes.missing
 
 
 def test_kopf_bookkeeping_stays_in_memory_and_only_a_retry_touch_writes():
@@ -193,22 +193,22 @@ async def test_a_runtime_coming_up_is_reconciled_late_unless_it_becomes_ready_fi
     assert calls == ["a"]
     await asyncio.sleep(0.3)
     assert calls == ["a", "b"]  # the other one once its settle time passed, exactly once
-    assert rec._soon == {}
+    assert rec.soon.pending == {}
     await rec.close()
 
 
 async def test_a_later_request_joins_the_pending_reconcile():
     rec = Reconciler(FakeKube(), CONFIG)
     rec.reconcile_soon(INODE, "a", delay=5)
-    first = rec._soon[(INODE, "a")][0]
+    first = rec.soon.pending[(INODE, "a")][0]
     rec.reconcile_soon(INODE, "a", delay=10)  # later: joins
-    assert rec._soon[(INODE, "a")][0] is first
+    assert rec.soon.pending[(INODE, "a")][0] is first
     rec.reconcile_soon(INODE, "a", delay=1)  # sooner: replaces it
-    assert rec._soon[(INODE, "a")][0] is not first
+    assert rec.soon.pending[(INODE, "a")][0] is not first
     await asyncio.sleep(0)
-    assert first.cancelled() and len(rec._soon) == 1
+    assert first.cancelled() and len(rec.soon.pending) == 1
     await rec.close()
-    assert rec._soon == {}
+    assert rec.soon.pending == {}
 
 
 def test_freshest_prefers_the_cache_only_when_it_is_newer():

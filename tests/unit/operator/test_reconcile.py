@@ -116,16 +116,16 @@ async def test_missing_node_is_a_condition_and_a_retry():
     assert c["NodeFound"]["status"] == "False" and c["NodeFound"]["reason"] == "NodeMissing"
     assert current(kube)["status"]["phase"] == "Pending"
     assert kube.kinds("DaemonSet") == []
-    assert "gpu-node-0" in rec.missing_nodes
+    assert "gpu-node-0" in rec.nodes.missing
 
 
 async def test_invalid_spec_is_permanent_and_visible():
     kube, rec, inode = world()
-    inode["spec"]["models"] = [{"name": "a", "lighterModel": "nope"}]
+    inode["spec"]["models"] = [{"name": "a", "default": True}, {"name": "b", "default": True}]
     with pytest.raises(SpecError):
         await rec.reconcile_inference_node(inode)
     c = conditions(current(kube))
-    assert c["Ready"]["reason"] == "InvalidSpec" and "does not serve" in c["Ready"]["message"]
+    assert c["Ready"]["reason"] == "InvalidSpec" and "only one model" in c["Ready"]["message"]
     assert kube.kinds("DaemonSet") == []
 
 
@@ -267,6 +267,7 @@ async def test_secret_namespace_change_publishes_the_new_keys_and_drops_legacy_s
     await rec.reconcile_tenant_quota(body)
     assert kube.kinds("Role") == kube.kinds("RoleBinding") == []
     kube.secrets[("team-a", "team-a-keys")] = {"api-keys": "k\n"}  # the tenant's own namespace: allowed
+    kube.secret_labels[("team-a", "team-a-keys")] = {"zerolayer.io/tenant-keys": "team-a"}  # once opted in
     new = snapshot(kube, "TenantQuota", "team-a")
     old = {"spec": dict(new["spec"])}
     new["spec"] = {**new["spec"], "apiKeySecretRef": {"name": "team-a-keys", "namespace": "team-a"}}

@@ -97,9 +97,9 @@ def test_openai_defaults_leave_every_option_at_its_default():
     ({"n": 0}, "n"), ({"n": 17}, "n"), ({"top_k": -2}, "top_k"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"1": 101}}, "logit_bias"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"user": 5}, "user"),
-    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": True, "frobnicate": True}}, "stream_options.frobnicate"),
 ])
 def test_openai_bad_sampling_values_name_the_field(fields, named):
     assert named in refused(chat, **fields)
@@ -222,11 +222,11 @@ def test_openai_continue_final_message_is_vllms_extra_field():
 def test_completions_parse():
     request = openai.parse_completions(json.dumps(
         {"model": "m", "prompt": "Once upon", "logprobs": 2, "n": 2, "echo": False}).encode())
-    assert request.prompt == "Once upon" and request.messages == () and request.logprobs == 2
+    assert request.prompts == ("Once upon",) and request.messages == () and request.logprobs == 2
     assert request.max_tokens == openai.COMPLETIONS_DEFAULT_MAX_TOKENS and request.n == 2
-    for bad, named in [({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "echo": True}, "echo"),
+    for bad, named in [({"prompt": ["a", 1]}, "prompt"), ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
                        ({"prompt": "a", "suffix": "z"}, "suffix"), ({"prompt": "a", "best_of": 3}, "best_of"),
-                       ({"prompt": "a", "logprobs": 6}, "logprobs"), ({"prompt": "a", "max_tokens": 0}, "max_tokens")]:
+                       ({"prompt": "a", "logprobs": -1}, "logprobs"), ({"prompt": "a", "max_tokens": 0}, "max_tokens")]:
         with pytest.raises(RequestRefused) as info:
             openai.parse_completions(json.dumps({"model": "m", **bad}).encode())
         assert named in info.value.message

@@ -16,7 +16,7 @@ from zerolayer.bpf.hook import add_audit_arguments
 from zerolayer.runtime.compose import compose
 from zerolayer.runtime.config import parse_config
 from zerolayer.runtime.errors import ConfigError
-from zerolayer.runtime.gossip.hook import add_gossip_arguments
+from zerolayer.runtime.node.agent import add_gossip_arguments
 from zerolayer.runtime.gossip.publisher import RecordingSource
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -90,3 +90,60 @@ async def test_without_reuse_port_a_second_runtime_cannot_bind():
             await compose(taken).server.start()
     finally:
         await first.stop(drain_timeout_s=0)
+
+
+def _record(order: list[str], name: str, obj: object, method: str) -> None:
+    inner = getattr(obj, method)
+
+    async def async_wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        order.append(name)
+        return await inner(*args, **kwargs)
+
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        order.append(name)
+        return inner(*args, **kwargs)
+
+    import inspect
+
+    setattr(obj, method, async_wrapper if inspect.iscoroutinefunction(inner) else wrapper)
+
+
+async def test_serving_starts_in_order_and_drains_the_server_before_the_rest(monkeypatch):
+    monkeypatch.delenv("ZEROLAYER_NODE_NAME", raising=False)
+    monkeypatch.delenv("ZEROLAYER_AUDIT_SPOOL", raising=False)
+    monkeypatch.delenv("ZEROLAYER_AUDIT_JOURNAL", raising=False)
+    config = parse_config({"gpu": {"source": "simulated", "memory": 0.4}}, REPO, environ={})
+    runtime = compose(config, cli_args(), port=0)
+    order: list[str] = []
+    _record(order, "server.start", runtime.server, "start")
+    _record(order, "server.stop", runtime.server, "stop")
+    _record(order, "agent.start", runtime.agent, "start")
+    _record(order, "agent.stop", runtime.agent, "stop")
+    _record(order, "probe.close", runtime.probe, "close")
+    async with runtime.serving() as server:
+        assert server is runtime.server and server.port != 0
+        order.append("serving")
+    # The agent outlives the drain (gossip reports it); the probe closes last.
+    assert order == ["server.start", "agent.start", "serving", "server.stop", "agent.stop", "probe.close"]
+    assert server.draining
+
+
+async def test_a_server_that_cannot_start_is_not_stopped_and_the_probe_still_closes(monkeypatch):
+    monkeypatch.delenv("ZEROLAYER_NODE_NAME", raising=False)
+    monkeypatch.delenv("ZEROLAYER_AUDIT_SPOOL", raising=False)
+    monkeypatch.delenv("ZEROLAYER_AUDIT_JOURNAL", raising=False)
+    runtime = compose(parse_config({}, REPO, environ={}), cli_args(), port=0)
+    order: list[str] = []
+
+    async def refuse() -> None:
+        raise ConfigError("cannot listen")
+
+    monkeypatch.setattr(runtime.server, "start", refuse)
+    _record(order, "server.stop", runtime.server, "stop")
+    _record(order, "agent.start", runtime.agent, "start")
+    _record(order, "probe.close", runtime.probe, "close")
+    with pytest.raises(ConfigError, match="cannot listen"):
+        async with runtime.serving():
+            order.append("serving")
+    assert order == ["probe.close"]
+    await runtime.server.engine.close()

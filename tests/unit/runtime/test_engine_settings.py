@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from zerolayer import engine_args, vllm_args
-from zerolayer.runtime.config import VLLM_KEYS, load_mapping, parse_config, vllm_settings
-from zerolayer.runtime.engine.vllm_engine import VllmEngine, VllmSettings
+from zerolayer.runtime.config import VLLM_KEYS, build_engine, load_mapping, parse_config, vllm_settings
+from zerolayer.runtime.engine.base import SamplingOptions
+from zerolayer.runtime.engine.vllm_engine import VllmEngine, VllmSettings, trace_headers
 from zerolayer.runtime.errors import ConfigError
-from zerolayer.runtime.incluster import config_from_inferencenode
+from zerolayer.runtime.node.incluster import config_from_inferencenode
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 MODEL = {"name": "m", "source": {"path": "/models/m"}}
@@ -171,5 +172,36 @@ def test_generated_names_match_the_installed_vllm():
 
 
 def test_settings_fields_are_the_typed_list():
-    names = {f.name for f in dataclasses.fields(VllmSettings)} - {"engine_args"}
+    names = {f.name for f in dataclasses.fields(VllmSettings)} - {"engine_args", "otlp_traces_endpoint"}
     assert names == set(VllmSettings.TYPED)
+
+
+def test_a_synthetic_base_engine_keeps_its_pace_and_takes_the_inferencenode_models():
+    """The e2e fleet's runtimes stream slowly (a base config's tokens_per_second) so load is visible."""
+    base = {"engine": {"kind": "synthetic", "tokens_per_second": 20, "output_tokens": 40, "models": ["x"]}}
+    node = {"metadata": {"name": "n"}, "spec": {"nodeName": "n", "models": [MODEL], "runtime": {"engine": "synthetic"}}}
+    assert config_from_inferencenode(node, base)["engine"] == {"kind": "synthetic", "tokens_per_second": 20,
+                                                                "output_tokens": 40, "models": ["m"]}
+    assert config_from_inferencenode(node, {"engine": {"kind": "vllm", "model_path": "/x"}})["engine"] == {
+        "kind": "synthetic", "models": ["m"]}
+
+
+def test_tracing_on_gives_vllm_the_same_otlp_endpoint_and_off_gives_it_none():
+    """telemetry.tracing reaches vLLM's own request tracing (otlp_traces_endpoint); without it nothing does."""
+    engine = {"kind": "vllm", "model_path": "/models/m"}
+    url = "http://127.0.0.1:4318/v1/traces"
+    traced = parse_config({"engine": engine, "telemetry": {"tracing": {"otlp_endpoint": url}}}, REPO, environ={})
+    on = build_engine(traced)
+    assert on.settings.otlp_traces_endpoint == url and on._args["otlp_traces_endpoint"] == url
+    off = build_engine(parse_config({"engine": engine}, REPO, environ={}))
+    assert off.settings.otlp_traces_endpoint is None and "otlp_traces_endpoint" not in off._args
+    with pytest.raises(ConfigError, match="otlp_traces_endpoint"):
+        VllmSettings(otlp_traces_endpoint=url, engine_args={"otlp_traces_endpoint": url})
+
+
+def test_the_request_spans_context_reaches_vllm_only_when_set():
+    options = SamplingOptions(max_tokens=4)
+    assert trace_headers(options) is None  # tracing off: vLLM gets no headers
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert trace_headers(dataclasses.replace(options, traceparent=parent)) == {"traceparent": parent}
+    assert dataclasses.replace(options, traceparent=parent).set_fields() == []  # not a sampling field

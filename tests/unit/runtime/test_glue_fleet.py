@@ -14,10 +14,10 @@ import pytest
 from zerolayer import contract
 from zerolayer.contract import Priority
 from zerolayer.gpumap import FleetMap, alternatives_header, render_map_document, utc_now_rfc3339
-from zerolayer.runtime.app import Application
+from zerolayer.runtime.serving.app import Application
 from zerolayer.runtime.engine.synthetic import SyntheticEngine
 from zerolayer.runtime.limits import Limits
-from zerolayer.runtime.metrics import RuntimeMetrics
+from zerolayer.runtime.serving.metrics import RuntimeMetrics
 from zerolayer.runtime.protocol.events import Accept, Reject, RequestHead, RequestReady
 from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, TenantPolicy
 from zerolayer.runtime.scheduler.api import Pressure

@@ -17,7 +17,7 @@ from zerolayer.runtime.gpu.api import GpuSourceError
 from zerolayer.runtime.gpu.cpu import CpuSource
 from zerolayer.runtime.gpu.select import NVML_LIBRARY, choose_source, devices_hidden, nvml_loadable
 from zerolayer.runtime.gpu.simulated import SimulatedGpuSource
-from zerolayer.runtime.incluster import config_from_inferencenode
+from zerolayer.runtime.node.incluster import config_from_inferencenode
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 

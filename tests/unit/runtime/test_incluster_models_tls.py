@@ -12,10 +12,10 @@ import pytest
 
 from zerolayer.operator import manifests
 from zerolayer.operator.config import OperatorConfig
-from zerolayer.runtime import incluster
+from zerolayer.runtime.node import incluster
 from zerolayer.runtime.config import build_server, parse_config
 from zerolayer.runtime.errors import ConfigError
-from zerolayer.runtime.incluster import RESTART_KEYS, config_from_inferencenode
+from zerolayer.runtime.node.incluster import RESTART_KEYS, config_from_inferencenode
 
 
 def inode(models, **spec):

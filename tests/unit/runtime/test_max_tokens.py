@@ -10,7 +10,7 @@ import pytest
 from zerolayer.contract import ErrorCode
 from zerolayer.runtime.api import anthropic, openai
 from zerolayer.runtime.api.wire import error_response
-from zerolayer.runtime.gate import WIRES
+from zerolayer.runtime.serving.gate import WIRES
 from zerolayer.runtime.errors import RequestRefused
 
 USER = [{"role": "user", "content": "hi"}]

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from zerolayer.contract import Priority
-from zerolayer.runtime.incluster import NodeSpecSync
+from zerolayer.runtime.node.incluster import NodeSpecSync
 from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig
 from zerolayer.runtime.scheduler.api import Pressure
 
@@ -99,3 +99,77 @@ async def test_a_second_vllm_model_is_flagged_for_restart():
     reader.obj = grown
     await sync.sync_once()
     assert {"engine", "engines"} <= set(sync.restart_needed)
+
+
+# ------------------------------------------------------------------ LoRA adapters: live, not a restart
+def vllm_node(*adapters: str, **runtime) -> dict:
+    node = inode()
+    node["spec"]["runtime"] = {"engine": "vllm", "port": 18080, "gpus": 0, **runtime}
+    node["spec"]["models"][0]["loras"] = [{"name": a, "source": {"path": f"/adapters/{a}"}} for a in adapters]
+    node["metadata"]["generation"] = 1
+    return node
+
+
+def adapter_sync(node: dict) -> tuple[NodeSpecSync, Reader, list]:
+    from zerolayer.runtime.node.incluster import AdapterSync
+
+    asked: list = []
+
+    async def load(wanted):  # records what the spec sync asks the engine's adapters to become
+        asked.append(copy.deepcopy(wanted))
+        return AdapterSync(changed=["x"])
+
+    reader = Reader(node)
+    sync = NodeSpecSync(reader, "gpu-node-0", {}, lambda marks: None, load_adapters=load)
+    sync.prime(node)
+    return sync, reader, asked
+
+
+@pytest.mark.parametrize("before, after", [(("a",), ("a", "b")), (("a", "b"), ("b",)), (("a",), ("c",))])
+async def test_adapter_changes_load_live_and_need_no_restart(before, after):
+    sync, reader, asked = adapter_sync(vllm_node(*before))
+    reader.obj = vllm_node(*after)
+    reader.obj["metadata"]["generation"] = 2
+    assert await sync.sync_once() is True
+    assert asked == [{"m": {a: f"/adapters/{a}" for a in after}}] and sync.restart_needed == []
+
+
+@pytest.mark.parametrize("before, after, restart", [
+    ((), ("a",), True),     # the first adapter turns LoRA on: vLLM fixes that at start
+    (("a",), (), True),     # and the last one off
+    (("a",), ("b",), False),
+])
+async def test_lora_on_or_off_is_a_restart_and_adapters_are_not(before, after, restart):
+    sync, reader, _ = adapter_sync(vllm_node(*before))
+    reader.obj = vllm_node(*after)
+    reader.obj["metadata"]["generation"] = 2
+    await sync.sync_once()
+    assert (sync.restart_needed == ["engine"]) is restart
+
+
+async def test_enable_lora_in_engine_args_keeps_lora_on_with_no_adapter():
+    sync, reader, asked = adapter_sync(vllm_node(engineArgs={"enable_lora": True}))
+    reader.obj = vllm_node("a", engineArgs={"enable_lora": True})
+    reader.obj["metadata"]["generation"] = 2
+    await sync.sync_once()
+    assert sync.restart_needed == [] and asked == [{"m": {"a": "/adapters/a"}}]
+
+
+async def test_a_heartbeat_asks_the_engine_nothing():
+    sync, reader, asked = adapter_sync(vllm_node("a"))
+    assert await sync.sync_once() is False and asked == []  # same generation: a status update
+
+
+def test_lora_args_leave_room_for_adapters_added_later(tmp_path):
+    import json
+
+    from zerolayer.runtime.engine.lora import LoraAdapter, lora_args
+
+    for name, rank in (("small", 8), ("wide", 48)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({"r": rank}))
+    small, wide = LoraAdapter("small", str(tmp_path / "small")), LoraAdapter("wide", str(tmp_path / "wide"))
+    assert lora_args([small], {}) == {"enable_lora": True, "max_loras": 1, "max_lora_rank": 16}
+    assert lora_args([small, wide], {})["max_lora_rank"] == 64
+    assert lora_args([small], {"max_lora_rank": 8}) == {"enable_lora": True, "max_loras": 1}
+    assert lora_args([], {}) == {}

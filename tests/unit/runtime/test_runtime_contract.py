@@ -10,9 +10,9 @@ import pytest
 from zerolayer import contract
 from zerolayer.contract import ERRORS, ErrorCode, Priority
 from zerolayer.runtime.api.wire import error_response
-from zerolayer.runtime.gate import WIRES
+from zerolayer.runtime.serving.gate import WIRES
 from zerolayer.runtime.errors import RequestRefused
-from zerolayer.runtime.headers import parse_contract
+from zerolayer.runtime.serving.headers import parse_contract
 from zerolayer.runtime.scheduler.api import TenantPolicy
 from zerolayer.runtime.tenants import Tenant, TenantDirectory, key_hash
 

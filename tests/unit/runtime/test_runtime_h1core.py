@@ -86,7 +86,7 @@ def test_garbage_gets_400_and_closes():
 
 
 def test_protocol_sniffing():
-    from zerolayer.runtime.transport import sniff_protocol
+    from zerolayer.runtime.serving.transport import sniff_protocol
 
     assert sniff_protocol(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") == "2"
     assert sniff_protocol(b"PRI * HT") is None  # could still be the preface
@@ -94,3 +94,37 @@ def test_protocol_sniffing():
     assert sniff_protocol(b"GET / HTTP/1.0\n") == "1.1"
     assert sniff_protocol(b"POST /v1/mess") is None
     assert sniff_protocol(b"INVALID CONNECTION PREFACE\r\n\r\n") == "2"  # h2 core closes it
+
+
+def test_drain_before_the_response_head_answers_with_connection_close_then_ends():
+    core = H1ServerCore(lambda head: Accept(100, "ctx"), Limits())
+    (ready,) = core.receive(request(b"{}"))
+    core.start_drain()
+    assert not core.ended  # the request in flight is answered first
+    core.send_head(ready.head.stream_id, 200, [("content-length", "2")])
+    core.send_data(ready.head.stream_id, b"ok", end=True)
+    events = parse_responses(core.data_to_send())
+    assert events[0].status_code == 200 and (b"connection", b"close") in events[0].headers
+    assert b"".join(e.data for e in events if isinstance(e, h11.Data)) == b"ok"
+    assert core.ended
+
+
+def test_drain_during_a_streamed_response_lets_it_finish_then_ends():
+    core = H1ServerCore(lambda head: Accept(100, "ctx"), Limits())
+    (ready,) = core.receive(request(b"{}"))
+    sid = ready.head.stream_id
+    core.send_head(sid, 200, [("content-type", "text/event-stream")])  # chunked, under way
+    core.send_data(sid, b"data: 1\n\n")
+    core.start_drain()
+    assert not core.ended  # nothing cuts the response short
+    core.send_data(sid, b"data: 2\n\n", end=True)
+    events = parse_responses(core.data_to_send())
+    assert (b"connection", b"close") not in events[0].headers  # the head left before the drain
+    assert b"".join(e.data for e in events if isinstance(e, h11.Data)) == b"data: 1\n\ndata: 2\n\n"
+    assert isinstance(events[-1], h11.EndOfMessage) and core.ended
+
+
+def test_drain_of_an_idle_connection_ends_it_at_once():
+    core = H1ServerCore(lambda head: Accept(100, "ctx"), Limits())
+    core.start_drain()
+    assert core.ended and core.data_to_send() == b""

@@ -271,22 +271,76 @@ def test_slow_reader_backlog_is_bounded_by_flow_control():
     assert p.core.backlog(1) == 0 and p.core.writable(1)
 
 
-def test_drain_finishes_open_streams_and_refuses_new_ones():
+def test_drain_finishes_open_streams_and_refuses_new_ones_before_any_goaway():
     p = Pair()
     p.client.send_headers(1, REQUEST, end_stream=True)
     p.send()
     p.core.start_drain()
-    goaway = _goaway(p)
-    assert goaway.error_code == H2_NO_ERROR and goaway.last_stream_id == 1
+    # No GOAWAY while stream 1 is open: httpcore raises on every open stream once one arrives.
+    assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in p.back())
     assert not p.core.ended
-    # The client ignores the GOAWAY and opens stream 3: refused, never started.
-    block = hpack.Encoder().encode(REQUEST)
-    assert p.send(HeadersFrame(3, data=block, flags=["END_HEADERS", "END_STREAM"]).serialize()) == []
-    (reset,) = [f for f in raw_frames(p.core.data_to_send()) if isinstance(f, RstStreamFrame)]
-    assert reset.stream_id == 3 and reset.error_code == H2_REFUSED_STREAM
+    # The client opens stream 3 on the draining connection: refused, never started.
+    p.client.send_headers(3, REQUEST, end_stream=True)
+    assert p.send() == [] and p.heads[-1].stream_id == 1  # the gate never saw stream 3
+    (refused,) = [e for e in p.back() if isinstance(e, h2.events.StreamReset)]
+    assert refused.stream_id == 3 and refused.error_code == H2_REFUSED_STREAM
+    assert not p.core.ended
     p.core.send_head(1, 200, [])
     p.core.send_data(1, b"done", end=True)
-    assert p.core.ended  # the last stream finished: the connection closes itself
+    assert p.core.ended  # the last stream finished: GOAWAY, and the connection closes itself
+    got = p.back()
+    assert [type(e) for e in got if isinstance(e, (h2.events.StreamEnded, h2.events.ConnectionTerminated))] == [
+        h2.events.StreamEnded, h2.events.ConnectionTerminated]  # stream 1 ends before the GOAWAY
+    goaway = next(e for e in got if isinstance(e, h2.events.ConnectionTerminated))
+    assert goaway.error_code == H2_NO_ERROR and goaway.last_stream_id == 1  # not the refused 3
+    assert b"".join(e.data for e in got if isinstance(e, h2.events.DataReceived)) == b"done"
+
+
+def test_drain_with_no_open_stream_sends_goaway_at_once():
+    p = Pair()
+    p.client.send_headers(1, REQUEST, end_stream=True)
+    p.send()
+    p.core.send_head(1, 200, [])
+    p.core.send_data(1, b"ok", end=True)
+    p.back()
+    p.core.start_drain()
+    assert p.core.ended
+    goaway = _goaway(p)
+    assert goaway.error_code == H2_NO_ERROR and goaway.last_stream_id == 1
+
+
+@pytest.mark.parametrize("who", ["client", "server"])
+def test_drain_ends_when_the_last_stream_is_reset_by_either_side(who: str):
+    p = Pair()
+    p.client.send_headers(1, REQUEST, end_stream=True)
+    p.send()
+    p.core.send_head(1, 200, [])
+    p.core.send_data(1, b"partial")
+    p.core.start_drain()
+    assert not p.core.ended
+    if who == "client":
+        p.client.reset_stream(1)
+        events = p.send()
+        assert any(isinstance(e, ConnectionEnded) for e in events)
+    else:
+        p.core.reset(1, 0x8)  # a preemption (CANCEL), e.g. at the drain deadline
+    assert p.core.ended  # at once, not at the next timer tick
+    goaway = _goaway(p)
+    assert goaway.error_code == H2_NO_ERROR and goaway.last_stream_id == 1
+
+
+def test_drain_deadline_close_sends_goaway_naming_the_last_stream_taken():
+    p = Pair()
+    p.client.send_headers(1, REQUEST, end_stream=True)
+    p.send()
+    p.core.start_drain()
+    p.client.send_headers(3, REQUEST, end_stream=True)
+    p.send()
+    p.back()
+    ended = p.core.close()  # the server's drain deadline: stream 1 never finished
+    assert ended.error_code == H2_NO_ERROR and p.core.ended
+    goaway = _goaway(p)
+    assert goaway.error_code == H2_NO_ERROR and goaway.last_stream_id == 1
 
 
 @pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\n\r\n", b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n"])

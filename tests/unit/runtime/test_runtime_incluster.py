@@ -11,7 +11,7 @@ import pytest
 from zerolayer.contract import Priority
 from zerolayer.runtime.config import parse_config
 from zerolayer.runtime.errors import ConfigError
-from zerolayer.runtime.incluster import TenantSync, config_from_inferencenode, published_entries, tenants_from_quotas
+from zerolayer.runtime.node.incluster import TenantSync, config_from_inferencenode, published_entries, tenants_from_quotas
 from zerolayer.runtime.tenants import key_hash
 
 def inode(**spec):  # type: ignore[no-untyped-def]
@@ -25,7 +25,7 @@ def quota(name, secret="keys", **spec):  # type: ignore[no-untyped-def]
 
 
 def published(**keys):  # type: ignore[no-untyped-def]
-    """The operator's published entries (runtime/incluster.py published_entries), by TenantQuota name."""
+    """The operator's published entries (runtime/node/incluster.py published_entries), by TenantQuota name."""
     return {name: {"tenant": name, "created": "", "hashes": frozenset(key_hash(k) for k in ks)}
             for name, ks in keys.items()}
 
@@ -234,7 +234,7 @@ def marked_node(generation: int, memory: float) -> dict:
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_node_spec_edits_arrive_by_watch_and_heartbeats_are_skipped():
-    from zerolayer.runtime.incluster import NodeSpecSync
+    from zerolayer.runtime.node.incluster import NodeSpecSync
 
     reader, applied = NodeReader(), []
     sync = NodeSpecSync(reader, "gpu-1", {}, applied.append)

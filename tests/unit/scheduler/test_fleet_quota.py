@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from zerolayer.contract import ErrorCode, Priority
-from zerolayer.runtime.fleetquota import (ClaimConflict, FleetQuotaSettings, FleetQuotaSync, NodeClaim,
+from zerolayer.runtime.node.fleetquota import (ClaimConflict, FleetQuotaSettings, FleetQuotaSync, NodeClaim,
                                           claim_patch, node_claims, plan_claim, plan_dimension)
 from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig
 from zerolayer.runtime.scheduler.api import TenantPolicy, Ticket
@@ -32,13 +32,51 @@ def fleet(**kw) -> FleetQuotaScheduler:
 # ------------------------------------------------------------------ the wrapper
 def test_no_claim_refuses_with_a_short_retry_and_records_the_demand():
     woken = []
-    f = fleet(wake=lambda: woken.append(1))
+    f = fleet(wake=lambda: woken.append(1), credit_requests=0)
     a = f.admit(ticket("s1", 100), 0.0)
     assert not a.admitted and a.code is ErrorCode.RATE_LIMITED and a.reason == "fleet_requests"
     assert a.headers["retry-after"] == "1" and woken
     [d] = f.demand(0.0)
     assert (d.used_tokens, d.refused_tokens, d.refused_requests, d.largest_request) == (0, 100, 1, 100)
     assert f.demand(0.0)[0].refused_tokens == 0  # reset by reading
+
+
+def test_an_idle_node_admits_a_first_request_under_its_credit_and_claims_it():
+    """Issue 25: a node's first request for a tenant (no claim held, as after 10 s idle) was a 429."""
+    woken = []
+    f = fleet(wake=lambda: woken.append(1))  # credit: 1 request, 5 % of 1000 tokens = 50
+    first = f.admit(ticket("s1", 40), 0.0)
+    assert first.admitted and woken  # the sync thread is woken to claim what the credit let in
+    second = f.admit(ticket("s2", 5), 0.0)
+    assert not second.admitted and second.reason == "fleet_requests"  # one request per window
+    assert not fleet().admit(ticket("big", 60), 0.0).admitted  # beyond the credit's 50 tokens
+    [d] = f.demand(0.0)
+    assert (d.used_tokens, d.used_requests) == (40, 1)  # the planner claims it at its next round
+    f.set_claim("acme", Claim(tokens=200, requests=5))
+    assert f.admit(ticket("s3", 100), 1.0).admitted  # the claim, not the credit, now bounds it
+    assert f.admit(ticket("s4", 80), 60.5).admitted and not f.admit(ticket("s5", 30), 60.5).admitted
+
+
+def test_the_request_credit_is_a_share_of_the_limit_so_streams_sent_together_are_admitted():
+    """CI: two streams sent together to an idle node, the second refused before the claim was written."""
+    policy = TenantPolicy("acme", requests_per_minute=6000)
+    inner = MicroScheduler(SchedulerConfig(), tenants={"acme": policy})
+    f = FleetQuotaScheduler(inner)
+    f.set_tenants({"acme": policy})
+    assert f.credit(policy) == (0, 300)  # 5 % of 6000
+    assert all(f.admit(ticket(f"s{i}", 10), 0.0).admitted for i in range(300))
+    refused = f.admit(ticket("s300", 10), 0.0)
+    assert not refused.admitted and refused.reason == "fleet_requests"  # the credit is bounded
+    assert FleetQuotaScheduler(inner, credit_requests=0).credit(policy) == (0, 0)
+
+
+def test_no_credit_when_the_claim_expired_or_the_fleet_is_fully_claimed():
+    f = fleet()
+    f.set_claim("acme", Claim(tokens=0, requests=0, valid_until=5.0))
+    assert not f.admit(ticket("s1", 10), 6.0).admitted  # fail closed without the API server
+    g = fleet()
+    g.set_claim("acme", Claim(), room=False)
+    assert not g.admit(ticket("s1", 10), 0.0).admitted
 
 
 def test_admissions_stay_within_the_claim_and_settles_free_it():
@@ -216,7 +254,11 @@ def test_claims_never_sum_above_the_limit_even_when_a_write_races():
     assert not f.admit(ticket("s2", 500), 0.0).admitted  # 500 > 300: this node's share, not the limit
 
 
-def test_three_nodes_share_the_limit_and_a_restart_keeps_the_window():
+@pytest.mark.parametrize("size,bound", [
+    (100, 1000),           # larger than the credit (50 tokens): the limit exactly
+    (40, 1000 + 3 * 50),   # within it: the limit plus one credit per node (the stated bound)
+])
+def test_three_nodes_share_the_limit_and_a_restart_keeps_the_window(size, bound):
     store = Store(quota())
     clock = [0.0]
     nodes = [node(Api(store), f"n{i}", clock) for i in range(3)]
@@ -225,11 +267,11 @@ def test_three_nodes_share_the_limit_and_a_restart_keeps_the_window():
         clock[0] = step * 0.5
         for i, (f, sync) in enumerate(nodes):
             for k in range(3):
-                a = f.admit(ticket(f"{i}-{step}-{k}", 100), clock[0])
-                admitted += 100 if a.admitted else 0
+                a = f.admit(ticket(f"{i}-{step}-{k}", size), clock[0])
+                admitted += size if a.admitted else 0
             sync.round()
             assert sum(c.tokens for c in node_claims(store.obj).values()) <= 1000
-    assert admitted <= 1000  # 20 s < one window: the fleet admitted at most the limit
+    assert admitted <= bound  # 20 s < one window: the fleet admitted at most the bound
     assert admitted >= 700  # and the limit was not stranded in idle claims
     # n0 restarts: a fresh scheduler restores its published claim as used.
     published = node_claims(store.obj)["n0"].tokens

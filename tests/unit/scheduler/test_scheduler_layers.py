@@ -8,13 +8,13 @@ import pathlib
 
 import pytest
 
-RUNTIME = pathlib.Path(__file__).resolve().parents[3] / "runtime"
+RUNTIME = pathlib.Path(__file__).resolve().parents[3] / "runtime" / "zerolayer" / "runtime"
 
 # package -> zerolayer.runtime.* modules it must never import
 FORBIDDEN = {
-    "gpu": ("zerolayer.runtime.scheduler", "zerolayer.runtime.server", "zerolayer.runtime.app",
-            "zerolayer.runtime.transport", "zerolayer.runtime.engine", "zerolayer.runtime.protocol"),
-    "scheduler": ("zerolayer.runtime.server", "zerolayer.runtime.app", "zerolayer.runtime.transport",
+    "gpu": ("zerolayer.runtime.scheduler", "zerolayer.runtime.serving.server", "zerolayer.runtime.serving.app",
+            "zerolayer.runtime.serving.transport", "zerolayer.runtime.engine", "zerolayer.runtime.protocol"),
+    "scheduler": ("zerolayer.runtime.serving.server", "zerolayer.runtime.serving.app", "zerolayer.runtime.serving.transport",
                   "zerolayer.runtime.protocol", "zerolayer.runtime.engine", "zerolayer.operator"),
 }
 

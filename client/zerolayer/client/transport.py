@@ -1,0 +1,168 @@
+"""The one module that knows httpx and h2: connection pools and error conversion.
+
+HTTP/2 everywhere: plain ``http://`` endpoints use prior knowledge (h2c, as the runtime
+speaks it), ``https://`` negotiates h2 by ALPN. One connection per endpoint carries many
+concurrent streams; idle connections are kept 45 s (the runtime PINGs every 30 s).
+An endpoint listed in ``http1_endpoints`` (for instance the HTTP/1.1 gateway a team
+migrates from, used as the fallback) gets a pool that speaks HTTP/1.1 or ALPN h2.
+
+:func:`convert_error` turns httpx/httpcore/h2 failures into the SDK's errors. httpcore
+surfaces an RST_STREAM as ``RemoteProtocolError(<h2 StreamReset event>)`` and a GOAWAY as
+``RemoteProtocolError(<h2 ConnectionTerminated event>)``; httpx re-raises them ``from``
+the httpcore exception, so the h2 event is found on the cause chain.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Iterable
+
+import h2.events
+import h2.exceptions
+import httpx
+
+from zerolayer.version import __version__
+
+from . import errors, wire
+
+KEEPALIVE_S = 45.0
+USER_AGENT = f"zerolayer-client/{__version__}"
+
+
+def _limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
+
+
+def sync_pool(timeout: httpx.Timeout, http1_endpoints: Iterable[str] = ()) -> PerThreadPool:
+    endpoints = tuple(http1_endpoints)
+    return PerThreadPool(lambda: _sync_client(timeout, endpoints))
+
+
+def _sync_client(timeout: httpx.Timeout, http1_endpoints: Iterable[str]) -> httpx.Client:
+    mounts: dict[str, httpx.BaseTransport | None] = {
+        f"all://{_authority(url)}": httpx.HTTPTransport(http1=True, http2=True, limits=_limits()) for url in http1_endpoints
+    }
+    return httpx.Client(
+        http1=False, http2=True, limits=_limits(), timeout=timeout, mounts=mounts or None, trust_env=False,
+        headers={"user-agent": USER_AGENT},
+    )
+
+
+class PerThreadPool:
+    """One ``httpx.Client`` per thread behind the sync SDK client, which threads may share.
+
+    httpx's sync HTTP/2 connection is not safe to drive from several threads at once: concurrent
+    streams on one connection raise ``RuntimeError: deque mutated during iteration`` or hang
+    (encode/httpx#3566; reproduced by tests/integration/client/test_client_threads.py). Each thread
+    gets its own pool (its own connections), closed when that thread's object is collected or when
+    the client is closed, whichever comes first.
+    """
+
+    def __init__(self, make: Callable[[], httpx.Client]) -> None:
+        self._make = make
+        self._pools: dict[int, tuple[httpx.Client, weakref.finalize]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _pool(self) -> httpx.Client:
+        thread = threading.current_thread()
+        key = id(thread)  # unique while the thread object lives; its finalizer removes the entry
+        with self._lock:
+            entry = self._pools.get(key)
+            if entry is None:
+                if self._closed:
+                    raise RuntimeError("the client is closed")
+                entry = self._pools[key] = (self._make(), weakref.finalize(thread, self._forget, key))
+        return entry[0]
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._pools.pop(key, None)
+        if entry is not None:
+            entry[0].close()
+
+    def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self._pool().post(url, **kwargs)
+
+    def stream(self, method: str, url: str, **kwargs: Any) -> Any:
+        return self._pool().stream(method, url, **kwargs)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            entries, self._pools = list(self._pools.values()), {}
+        for pool, finalizer in entries:
+            finalizer.detach()
+            pool.close()
+
+
+def async_pool(timeout: httpx.Timeout, http1_endpoints: Iterable[str] = ()) -> httpx.AsyncClient:
+    mounts: dict[str, httpx.AsyncBaseTransport | None] = {
+        f"all://{_authority(url)}": httpx.AsyncHTTPTransport(http1=True, http2=True, limits=_limits())
+        for url in http1_endpoints
+    }
+    return httpx.AsyncClient(
+        http1=False, http2=True, limits=_limits(), timeout=timeout, mounts=mounts or None, trust_env=False,
+        headers={"user-agent": USER_AGENT},
+    )
+
+
+def _authority(url: str) -> str:
+    return httpx.URL(url).netloc.decode()
+
+
+def _h2_cause(exc: BaseException) -> object | None:
+    """The h2 StreamReset / ConnectionTerminated event or StreamClosedError on ``exc``'s cause chain."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 8:
+        if isinstance(current, h2.exceptions.StreamClosedError):
+            return current
+        for arg in current.args:
+            if isinstance(arg, (h2.events.StreamReset, h2.events.ConnectionTerminated, h2.exceptions.StreamClosedError)):
+                return arg
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return None
+
+
+def convert_error(
+    exc: Exception, *, endpoint: str, request_id: str | None = None, tokens_delivered: int = 0
+) -> errors.APIError:
+    """An SDK error for an httpx (or h2) failure on one attempt. Sets ``__cause__``."""
+    common = errors.Origin(endpoint=endpoint, request_id=request_id, tokens_delivered=tokens_delivered)
+    event = _h2_cause(exc)
+    err: errors.APIError
+    if isinstance(event, h2.exceptions.StreamClosedError):
+        # The server ended the stream while we were still sending the request: it answered
+        # (refused) at HEADERS time and reset with NO_ERROR, as RFC 9113 §8.1 allows. httpcore
+        # cannot read such an early response, but the server cannot have generated anything
+        # without the body, so the work is certainly unprocessed.
+        err = errors.StreamRefused(
+            "the server closed the stream before the request body was sent (an early refusal)",
+            processed=False,
+            **common,
+        )
+    elif isinstance(event, h2.events.StreamReset):
+        err = wire.error_from_reset(int(event.error_code), **common)
+    elif isinstance(event, h2.events.ConnectionTerminated):
+        err = errors.APIConnectionError(
+            f"connection closed by GOAWAY (HTTP/2 error code {int(event.error_code or 0):#x}) while the stream was "
+            "open",
+            processed=None,
+            **common,
+        )
+    elif isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        err = errors.APIConnectionError(f"cannot connect to {endpoint}: {exc}", processed=False, **common)
+    elif isinstance(exc, httpx.TimeoutException):
+        err = errors.APITimeoutError(f"timed out waiting for {endpoint}: {exc}", processed=None, **common)
+    elif isinstance(exc, (httpx.HTTPError, h2.exceptions.H2Error)):
+        err = errors.APIConnectionError(f"connection to {endpoint} failed: {exc or type(exc).__name__}", processed=None, **common)
+    else:
+        raise TypeError(f"not a transport error: {exc!r}") from exc
+    err.__cause__ = exc
+    return err
+
+
+TRANSPORT_ERRORS = (httpx.HTTPError, h2.exceptions.H2Error)

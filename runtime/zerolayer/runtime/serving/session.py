@@ -1,0 +1,390 @@
+"""A chat request's life from HEADERS to settle, and the table of those alive.
+
+:class:`StreamSession` starts from what the admission gate decided (:class:`~zerolayer.runtime.serving.gate.Admitted`)
+and owns the rest: parse the body in its wire API, render the prompt, ``admit(stage="body")``
+with the exact token count, generate, write the answer (JSON or SSE), meter tokens, and
+**settle exactly once** — answered, refused, failed, preempted by the scheduler, or cancelled
+because the peer went away, including before its body arrived.
+
+:class:`SessionTable` holds the sessions by stream key and the services they use; it is what the
+transport's stream events (reset, connection lost, task attached) and the scheduler's
+preemptions reach. Errors before response headers become a status with the wire API's error
+body; after them, an SSE error event then RST_STREAM with the contract's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import os
+from typing import Any, Callable, Protocol
+
+from zerolayer.contract import ERRORS, ErrorCode, Priority
+from zerolayer.logformat import bind_request
+from zerolayer.runtime.api.common import Assembler, ChatRequest, render_prompt
+from zerolayer.runtime.api.wire import StreamFrame, WireApi
+from zerolayer.runtime.serving.channel import Channel, respond, send_error
+from zerolayer.runtime.serving.demand import DemandLedger
+from zerolayer.runtime.engine.base import Delta, Engine, InputRejected
+from zerolayer.runtime.errors import EngineError, RequestRefused
+from zerolayer.runtime.serving.gate import Admitted, Route, model_refusal, refusal
+from zerolayer.runtime.serving.headers import RequestContract
+from zerolayer.runtime.serving.metrics import RuntimeMetrics
+from zerolayer.runtime.serving.tracing import Timeline, Tracer, trace_id_of
+from zerolayer.runtime.scheduler.api import Reservation, RunningStream, Scheduler, Ticket
+from zerolayer.runtime.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+
+class TokenSink(Protocol):
+    """Metering (e.g. :meth:`zerolayer.bpf.probes.TokenProbe.emit`): called right after tokens were
+    handed to the transport for the client. Must not block."""
+
+    def __call__(self, tenant: str, request_id: str, model: str, input_tokens: int, output_tokens: int,
+                 first: bool) -> Any: ...
+
+
+class SessionTable:
+    """The open sessions by stream key, and what every session needs to run.
+
+    ``alternatives`` is the gate's (pressure refusals at body time carry it too).
+    """
+
+    def __init__(self, *, engine: Engine, scheduler: Scheduler, metrics: RuntimeMetrics,
+                 clock: Callable[[], float] = time.monotonic, token_sink: TokenSink | None = None,
+                 alternatives: Callable[[str | None], str | None] | None = None,
+                 demand: DemandLedger | None = None, tracer: Tracer | None = None) -> None:
+        self.engine = engine
+        self.tracer = tracer  # None: tracing off, sessions keep no timeline
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.clock = clock
+        self.token_sink = token_sink
+        self.alternatives = alternatives
+        self.demand = demand  # the gate's (a body naming a model not served here is recorded too)
+        self.streams: dict[str, StreamSession] = {}
+        metrics.streams_active.set_function(lambda: len(self.streams))  # read at scrape, not per request
+        self.engine_requests_started = 0  # every generate() call; tests assert resets never start work
+
+    def open(self, admitted: Admitted) -> "StreamSession":
+        """Register the session the gate admitted (it holds a reservation until settled)."""
+        session = StreamSession(self, admitted)
+        self.streams[session.key] = session
+        return session
+
+    def running(self) -> list[RunningStream]:
+        """The scheduler's view of every session whose work began."""
+        return [s.running() for s in self.streams.values() if s.started and not s.settled]
+
+    def attach(self, key: str, task: asyncio.Task[Any]) -> None:
+        session = self.streams.get(key)
+        if session is not None:
+            session.task = task
+
+    def stream_aborted(self, key: str) -> None:
+        """The peer reset the stream or the connection went away."""
+        session = self.streams.get(key)
+        if session is not None:
+            session.abort()
+
+    def connection_lost(self, conn_id: int) -> None:
+        """The connection is gone: end every stream it carried."""
+        for session in [s for s in self.streams.values() if s.conn_id == conn_id]:
+            session.abort()
+
+    def preempt(self, key: str, code: ErrorCode, reason: str) -> bool:
+        """Stop a stream with ``code`` (SSE error + RST_STREAM, engine abort). False if unknown or over."""
+        session = self.streams.get(key)
+        return session is not None and session.preempt(code, reason)
+
+    def _closed(self, session: "StreamSession") -> None:
+        self.streams.pop(session.key, None)
+
+
+class StreamSession:
+    """One chat request; see the module docstring. Its fields are what the scheduler and the
+    energy meter read (``running()``, token counts, ``started``/``settled``)."""
+
+    def __init__(self, table: SessionTable, admitted: Admitted) -> None:
+        assert admitted.tenant is not None and admitted.terms is not None and admitted.ticket is not None
+        self.table = table
+        self.key = admitted.key
+        self.conn_id = admitted.conn_id
+        self.route: Route = admitted.route
+        self.wire: WireApi = admitted.route.wire
+        self.tenant: Tenant = admitted.tenant
+        self.contract: RequestContract = admitted.terms
+        self.ticket: Ticket = admitted.ticket
+        self.arrived = admitted.arrived
+        self.reservation: Reservation | None = admitted.reservation
+        self.task: asyncio.Task[Any] | None = None
+        self.started = False  # run() began
+        self.engine_request: str | None = None  # set once engine work started, cleared when it ended
+        self.engine: Engine = table.engine  # the requested model's engine once the body names it
+        self.first_token_sent = False
+        self.first_token_at = 0.0  # monotonic, once first_token_sent
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.preempted: tuple[ErrorCode, str] | None = None
+        self.settled = False
+        self.traceparent = admitted.traceparent
+        self.trace = (Timeline(admitted.traceparent, admitted.arrived, admitted.gated)
+                      if table.tracer is not None else None)  # tracing off: nothing kept
+
+    def running(self) -> RunningStream:
+        return RunningStream(self.key, self.ticket.priority, self.prompt_tokens + self.output_tokens,
+                             self.contract.effective_deadline(self.first_token_sent))
+
+    # ------------------------------------------------------------------ the body arrived
+    async def run(self, channel: Channel, body: bytes) -> None:
+        """Serve the request on ``channel``; settles before returning, however it ends."""
+        if self.settled:
+            # Preempted while its body was still arriving: nothing ran, answer with the code now.
+            code, reason = self.preempted or (ErrorCode.INTERNAL_ERROR, "settled")
+            await send_error(channel, self.table.metrics, self.wire, _stopped(code, reason), self.route.name,
+                             trace_id=self._trace_id())
+            return
+        self.started = True
+        if self.trace is not None:
+            self.trace.body = self.table.clock()
+        # this task's log lines name the request (--log-format json); its copy of the context is its own
+        bind_request(tenant=self.tenant.name, trace_id=f"{self.trace.trace_id:032x}" if self.trace else None)
+        task = asyncio.current_task()
+        if self.task is None:
+            self.task = task
+        try:
+            await self._generate(channel, body)
+        except RequestRefused as refused:
+            await self._fail(channel, refused)
+        except InputRejected as exc:
+            await self._fail(channel, RequestRefused(ErrorCode.INVALID_REQUEST, str(exc), reason="input_rejected"))
+        except EngineError as exc:
+            # The engine's own text stays in the log: it may name internals (paths, other requests).
+            log.warning("engine error on %s%s: %s", self.key,
+                        f" (trace {self.trace.trace_id:032x})" if self.trace is not None else "", exc)
+            await self._fail(channel, RequestRefused(ErrorCode.INTERNAL_ERROR, "the engine failed on this request",
+                                                     reason="engine"))
+        except asyncio.CancelledError:
+            if self.preempted is None:
+                raise  # the client went away or the connection closed: nobody to answer
+            if task is not None:
+                task.uncancel()
+            code, reason = self.preempted
+            self.table.metrics.preemptions.labels(code.value, reason).inc()
+            await self._fail(channel, _stopped(code, reason), preempted=True)
+        finally:
+            await self._finish()
+
+    async def _generate(self, channel: Channel, body: bytes) -> None:
+        table = self.table
+        engine = table.engine
+        request = self.wire.parse(body)
+        if request.model not in engine.models:
+            raise model_refusal(request.model, engine.models, table.demand, self.tenant)
+        engine = self.engine = engine.for_model(request.model)  # several models: one engine each
+        priority = self.ticket.priority
+        if request.priority is not None and not self.contract.priority_given:
+            priority = Priority.parse(request.priority)
+        prompt = await render_prompt(engine, request)
+        self._check_context(request, max(p.token_count for p in prompt.each()))  # a batch: each prompt's own
+        self.prompt_tokens = prompt.token_count
+        self.ticket = dataclasses.replace(self.ticket, model=request.model, priority=priority,
+                                          prompt_tokens=prompt.token_count,
+                                          max_tokens=request.max_tokens * request.choice_count)  # one output per choice
+        admission = table.scheduler.admit(self.ticket, table.clock(), stage="body")
+        if not admission.admitted:
+            self.reservation = None  # the scheduler released the HEADERS reservation itself
+            raise refusal(admission, self.ticket.session, table.alternatives)
+        self.reservation = admission.reservation or self.reservation
+        engine_priority = getattr(admission, "engine_priority", None)
+        if engine_priority is None:
+            engine_priority = int(priority)
+        deadline = self.contract.effective_deadline(False)
+        if deadline is not None and table.clock() >= deadline:
+            raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline passed before generation started",
+                                 reason="deadline_before_start")
+        options = request.sampling_options()
+        if self.trace is not None:  # an engine with tracing of its own (vLLM) puts its spans under ours
+            options = dataclasses.replace(options, traceparent=self.trace.traceresponse())
+        request_id = f"{self.wire.id_prefix}_{os.urandom(12).hex()}"  # 24 hex digits, as uuid4().hex[:24] was
+        self.engine_request = request_id
+        table.engine_requests_started += 1
+        bind_request(request_id=request_id)
+        if self.trace is not None:
+            self.trace.submitted = table.clock()
+        deltas = engine.generate(prompt, options, request_id, engine_priority)
+        head = [("x-request-id", request_id), *admission.headers.items(), *self._trace_headers()]
+        frame = StreamFrame(request_id, int(time.time()), request)
+        tenant = self.tenant.name
+        table.metrics.count_tokens(tenant, "prompt", prompt.token_count)
+        if request.stream:
+            await self._stream(channel, frame, deltas, head)
+        else:
+            await self._complete(channel, frame, deltas, head)
+        table.metrics.count_tokens(tenant, "completion", self.output_tokens)
+        if self.output_tokens > 1:
+            table.metrics.tpot.observe((table.clock() - self.first_token_at) / (self.output_tokens - 1))
+        self.engine_request = None  # finished: nothing to abort
+
+    def _check_context(self, request: ChatRequest, prompt_tokens: int) -> None:
+        """A prompt that fills the model's context, or a ``max_tokens`` beyond it, is the client's
+        mistake (400), not an engine failure: say so before any engine work starts."""
+        context = self.engine.context_length(request.model)
+        if not context:
+            return
+        if prompt_tokens >= context:
+            raise RequestRefused(ErrorCode.INVALID_REQUEST,
+                                 f"the prompt is {prompt_tokens} tokens; {request.model} takes at most {context} "
+                                 "tokens of prompt and output together", reason="prompt_too_long")
+        if request.max_tokens > context:
+            raise RequestRefused(ErrorCode.INVALID_REQUEST,
+                                 f"max_tokens {request.max_tokens} is more than {request.model}'s context of "
+                                 f"{context} tokens", reason="max_tokens_over_context")
+
+    def _first_token(self, delta: Delta) -> None:
+        self.first_token_sent = True
+        self.first_token_at = self.table.clock()
+        if self.trace is not None:
+            self.trace.first_token, self.trace.scheduled = self.first_token_at, delta.scheduled_at or 0.0
+        self.table.metrics.ttft.observe(self.first_token_at - self.arrived)
+
+    async def _complete(self, channel: Channel, frame: StreamFrame, deltas: Any,
+                        head: list[tuple[str, str]]) -> None:
+        try:
+            answer = Assembler(frame.request, self.engine.parse_tool_calls)
+            async for delta in deltas:
+                if not self.first_token_sent and delta.token_count:
+                    self._first_token(delta)
+                self.output_tokens += delta.token_count
+                answer.add(delta)
+            body = self.wire.completion(frame, answer.choices(), self.prompt_tokens, self.output_tokens)
+            await respond(channel, self.table.metrics, 200, [("content-type", "application/json"), *head], body,
+                          self.route.name)
+        finally:
+            # Metered once however it ends: answered, cancelled by the client or the scheduler, or
+            # failed. The engine did the prefill and the tokens generated so far either way.
+            sink = self.table.token_sink
+            if sink is not None:
+                sink(self.tenant.name, frame.request_id, frame.request.model, self.prompt_tokens,
+                     self.output_tokens, True)
+
+    async def _stream(self, channel: Channel, frame: StreamFrame, deltas: Any, head: list[tuple[str, str]]) -> None:
+        wire, model, rid = self.wire, frame.request.model, frame.request_id
+        await channel.send_head(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache"), *head])
+        self.table.metrics.count_request(self.route.name, 200)
+        await channel.send(wire.stream_start(frame, self.prompt_tokens))
+        sink = self.table.token_sink
+        tenant = self.tenant.name
+        if sink is not None:
+            sink(tenant, rid, model, self.prompt_tokens, 0, True)
+        answer = Assembler(frame.request, self.engine.parse_tool_calls, self.engine.tool_call_stream)
+        async for delta in deltas:
+            if delta.token_count and not self.first_token_sent:
+                self._first_token(delta)
+            self.output_tokens += delta.token_count
+            sent = answer.add(delta)  # tool calls stream as they are found
+            if sent is not None:
+                piece = wire.stream_delta(frame, *sent)
+                if piece:
+                    await channel.send(piece)
+            if sink is not None and delta.token_count:
+                sink(tenant, rid, model, 0, delta.token_count, False)
+        await channel.end(wire.stream_end(frame, answer.choices(), self.prompt_tokens, self.output_tokens))
+
+    # ------------------------------------------------------------------ ends
+    async def _fail(self, channel: Channel, refused: RequestRefused, preempted: bool = False) -> None:
+        metrics = self.table.metrics
+        if self.trace is not None:
+            self.trace.attributes["error.type"] = refused.code.value
+        if not preempted:
+            metrics.refusals.labels(refused.code.value, refused.reason).inc()
+        if not channel.head_sent:
+            await send_error(channel, metrics, self.wire, refused, self.route.name, self._trace_headers(),
+                             self._trace_id())
+            return
+        # Mid-stream: an SSE error event the SDKs understand, then RST_STREAM with the contract's code.
+        try:
+            event = self.wire.stream_error(refused.code, refused.message, self._trace_id())
+            await asyncio.wait_for(channel.send(event), 1.0)
+        except (asyncio.TimeoutError, ConnectionError):
+            pass  # a reader too slow to take the error event still gets the reset
+        channel.reset(ERRORS[refused.code].rst_code)
+
+    async def _finish(self) -> None:
+        """Settle exactly once (idempotent), then abort unfinished engine work.
+
+        Settling comes first and without an await: the connection going away cancels this task a
+        second time (``connection_lost`` after ``eof_received``, or RST_STREAM then FIN), and that
+        cancel lands on the first await here. Anything after it must not be bookkeeping.
+        """
+        request_id, self.engine_request = self.engine_request, None
+        self.settle()
+        if self.trace is not None:
+            self._emit_trace(self.trace)
+        if request_id is not None:
+            try:
+                await asyncio.shield(self.engine.abort(request_id))
+            except EngineError as exc:
+                log.warning("engine abort of %s failed: %s", request_id, exc)
+
+    def _trace_id(self) -> str | None:
+        """The trace an error body names: this request's when traced, else the client's ``traceparent``'s."""
+        return f"{self.trace.trace_id:032x}" if self.trace is not None else trace_id_of(self.traceparent)
+
+    def _trace_headers(self) -> list[tuple[str, str]]:
+        """``traceresponse`` naming this request's span, when traced: how a client finds its trace."""
+        return [("traceresponse", self.trace.traceresponse())] if self.trace is not None else []
+
+    def _emit_trace(self, trace: Timeline) -> None:
+        """Hand the settled request's moments to the tracer (tracing on only: ``trace`` exists then)."""
+        attributes = {"zerolayer.tenant": self.tenant.name, "zerolayer.model": self.ticket.model,
+                      "zerolayer.priority": self.ticket.priority.name.lower(),
+                      "gen_ai.usage.input_tokens": self.prompt_tokens, "gen_ai.usage.output_tokens": self.output_tokens}
+        if self.table.tracer is not None:
+            self.table.tracer.emit(trace.close(self.table.clock(), **attributes))
+
+    def settle(self) -> None:
+        """Leave the table and give the reservation back with the tokens used. Runs once."""
+        if self.settled:
+            return
+        self.settled = True
+        table = self.table
+        table._closed(self)
+        if self.reservation is not None:
+            table.scheduler.settle(self.reservation, self.prompt_tokens + self.output_tokens, table.clock())
+
+    def abort(self) -> None:
+        """The peer reset the stream or its connection went away."""
+        if self.settled:
+            return
+        if self.task is not None and self.started:
+            if self.task.cancelling():
+                return  # already being stopped (the peer's reset, then its FIN): one cancel is enough
+            self.task.cancel()  # its finally settles and aborts engine work
+        else:
+            if self.task is not None:
+                self.task.cancel()  # never ran: the coroutine body (and its finally) will not run
+            self.settle()
+
+    def preempt(self, code: ErrorCode, reason: str) -> bool:
+        """Stop with ``code`` (SSE error + RST_STREAM, engine abort). False if already over or stopping."""
+        if self.settled or self.preempted is not None:
+            return False
+        self.preempted = (code, reason)
+        if self.task is not None and self.started:
+            self.task.cancel()
+        else:
+            # Body still arriving: nothing started. The transport answers when the body completes.
+            if self.task is not None:
+                self.task.cancel()
+            self.table.metrics.preemptions.labels(code.value, reason).inc()
+            self.settle()
+        return True
+
+
+def _stopped(code: ErrorCode, reason: str) -> RequestRefused:
+    return RequestRefused(code, f"stream stopped by the scheduler: {reason}", reason=reason,
+                          retry_after_s=1.0 if ERRORS[code].retryable else None)
