@@ -40,6 +40,13 @@ def describe(manifest: Mapping[str, Any]) -> str:
     return f"{manifest['kind']} {where}{meta['name']}"
 
 
+# The order children are written in. Kubernetes refuses a binding to a role that does not exist yet
+# from a client that may not ``bind`` (the operator may not: it may grant only what it holds), so
+# roles go before their bindings; and the runtime pod, which needs both from its first request,
+# goes last. Kinds not named here are in the first wave.
+WAVES = {"RoleBinding": 1, "ClusterRoleBinding": 1, "DaemonSet": 2}
+
+
 class Applier:
     """Applies plans for one operator process: ``keys`` takes publications, ``now`` stamps conditions."""
 
@@ -97,7 +104,7 @@ class Applier:
         return objects
 
     async def ensure_all(self, body: Mapping[str, Any], manifests: list[dict], outcome: Outcome) -> dict[str, dict]:
-        results = await asyncio.gather(*(self.kube.ensure(x) for x in manifests), return_exceptions=True)
+        results = await self._ensure_in_waves(manifests)
         conflicts = [r for r in results if isinstance(r, NotOwned)]
         if conflicts:
             # Another object's child has our child's name: refuse it, leave it alone, say so.
@@ -117,6 +124,20 @@ class Applier:
             if result != "unchanged":
                 self.note(body, outcome, result.capitalize(), f"{result.capitalize()} {describe(manifest)}")
         return objects
+
+    async def _ensure_in_waves(self, manifests: list[dict]) -> list[Any]:
+        """Ensure ``manifests`` wave by wave (:data:`WAVES`), each wave's writes at once; a wave with a
+        failure ends it there (the later ones wait for the retry). Results are in ``manifests``' order,
+        ``None`` for what was not attempted."""
+        results: list[Any] = [None] * len(manifests)
+        for wave in sorted({WAVES.get(x["kind"], 0) for x in manifests}):
+            picked = [i for i, x in enumerate(manifests) if WAVES.get(x["kind"], 0) == wave]
+            done = await asyncio.gather(*(self.kube.ensure(manifests[i]) for i in picked), return_exceptions=True)
+            for i, result in zip(picked, done):
+                results[i] = result
+            if any(isinstance(r, BaseException) for r in done):
+                break
+        return results
 
     async def status(self, body: Mapping[str, Any], updates: list[dict], phase: str, **fields: Any) -> None:
         """Merge ``updates`` into the conditions and write the status, unless nothing changed (so a

@@ -1,6 +1,7 @@
 """The reconciler against FakeKube (tests/unit/operator/fakes.py): idempotency, conditions,
 events, waiting for missing dependencies, finalizer cleanup, drift repair."""
 
+import asyncio
 import copy
 import datetime
 
@@ -8,7 +9,7 @@ import pytest
 
 from zerolayer.operator import manifests as m
 from zerolayer.operator.config import OperatorConfig
-from zerolayer.operator.errors import SpecError
+from zerolayer.operator.errors import KubeError, SpecError
 from zerolayer.operator.reconcile import Reconciler, WaitingFor
 
 from .fakes import FakeKube
@@ -76,6 +77,37 @@ async def test_first_reconcile_labels_node_creates_children_and_reports_progress
     assert "Created DaemonSet zl-run/zl-runtime-gpu-node-0" in parts
     assert outcome.actions == parts
     assert not outcome.ready
+
+
+class BindRefusingKube(FakeKube):
+    """FakeKube that refuses a binding to a role not created yet, as the API server does for a
+    client without the ``bind`` verb (the operator's case), after yielding once so that writes
+    sent together interleave as they do over the network."""
+
+    async def ensure(self, desired):
+        await asyncio.sleep(0)
+        ref = desired.get("roleRef")
+        if ref is not None:
+            namespace = desired["metadata"].get("namespace") if ref["kind"] == "Role" else None
+            if self.find("rbac.authorization.k8s.io/v1", ref["kind"], ref["name"], namespace) is None:
+                raise KubeError(f"{desired['kind']} {desired['metadata']['name']}: {ref['kind']} not found: "
+                                "may not bind", status=403, reason="Forbidden")
+        return await super().ensure(desired)
+
+
+async def test_roles_are_written_before_their_bindings_and_the_pod_after_both():
+    # CI once saw the runtime pod start with no ClusterRoleBinding: the binding was sent beside its
+    # ClusterRole, reached the API server first, was refused, and the pod ran 403 until a retry.
+    kube = BindRefusingKube()
+    kube.objects = world()[0].objects
+    rec = Reconciler(kube, CONFIG, now=lambda: NOW)
+    await rec.reconcile_inference_node(current(kube))
+    for kind in RUNTIME_KINDS:
+        assert kube.kinds(kind) == ["zl-runtime-gpu-node-0"], kind
+    order = [w[2] for w in kube.writes if w[0] == "create"]
+    assert max(order.index(k) for k in ("ClusterRole", "Role", "ServiceAccount")) < \
+        min(order.index(k) for k in ("ClusterRoleBinding", "RoleBinding")) < order.index("DaemonSet")
+    assert order.index("ClusterRoleBinding") < order.index("DaemonSet")
 
 
 async def test_second_reconcile_writes_nothing_and_emits_no_event():
