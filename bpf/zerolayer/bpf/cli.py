@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -240,14 +241,39 @@ def _announce_mode(args: argparse.Namespace, opened: _Opened) -> None:
     print(f"zerolayer auditor: {kind} mode, store {args.db} ({why})", flush=True)
     if not args.mode_event_pod:
         return
-    from zerolayer.bpf.kube import record_pod_event
+    from zerolayer.bpf import kube
 
+    def record() -> None:
+        kube.record_pod_event(args.mode_event_pod, uid=args.pod_uid[0] if args.pod_uid else None,
+                              reason="AuditorKernelMode" if opened.source.kind == "bpf" else "AuditorJournalMode",
+                              message=message, warning=opened.fallback is not None, kubeconfig=args.kubeconfig)
     try:
-        record_pod_event(args.mode_event_pod, uid=args.pod_uid[0] if args.pod_uid else None,
-                         reason="AuditorKernelMode" if opened.source.kind == "bpf" else "AuditorJournalMode",
-                         message=message, warning=opened.fallback is not None, kubeconfig=args.kubeconfig)
+        record()
     except AuditError as exc:
-        logging.getLogger(__name__).warning("%s", exc)
+        logging.getLogger(__name__).warning("%s; trying again in the background", exc)
+        threading.Thread(target=record_with_retries, args=(record, MODE_EVENT_RETRY_DELAYS_S),
+                         name="mode-event", daemon=True).start()
+
+
+# A mode Event refused at start (the API server away, the pod's RBAC not there yet) is tried again
+# after these waits, in the background; metering never waits for it.
+MODE_EVENT_RETRY_DELAYS_S = (2.0, 4.0, 8.0, 16.0, 30.0)
+
+
+def record_with_retries(record: Any, delays: Any, sleep: Any = time.sleep) -> bool:
+    """Call ``record`` after each of ``delays`` until it succeeds; False (and logged) when none did."""
+    from zerolayer.bpf.errors import AuditError
+
+    last: Exception | None = None
+    for delay in delays:
+        sleep(delay)
+        try:
+            record()
+            return True
+        except AuditError as exc:
+            last = exc
+    logging.getLogger(__name__).warning("%s; gave up after %d more tries", last, len(delays))
+    return False
 
 
 def _build_auditor(args: argparse.Namespace, store: Any, source: Any) -> Any:

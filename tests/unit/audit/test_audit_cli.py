@@ -144,8 +144,32 @@ def test_the_auditor_records_its_mode_as_an_event_on_its_pod(tmp_path, capsys, m
     def refused(ref, **kw):
         raise AuditError("cannot record Event AuditorJournalMode on pod zl-run/zl-runtime-x: Forbidden")
     monkeypatch.setattr(kube, "record_pod_event", refused)
+    from zerolayer.bpf import cli as audit_cli
+
+    monkeypatch.setattr(audit_cli, "MODE_EVENT_RETRY_DELAYS_S", ())  # the retries have their own test
     assert main(["auditor", "--source", "journal", *common]) == 0  # the log still names the mode
     assert "journal mode, store" in capsys.readouterr().out
+
+
+def test_a_refused_mode_event_is_tried_again_until_it_is_written(caplog):
+    """The Event is tried again in the background (the pod's RBAC may come a moment after the pod)."""
+    from zerolayer.bpf.cli import record_with_retries
+    from zerolayer.bpf.errors import AuditError
+
+    answers, waits = [AuditError("Forbidden"), AuditError("Forbidden"), None], []
+
+    def record():
+        answer = answers.pop(0)
+        if answer is not None:
+            raise answer
+    assert record_with_retries(record, (1.0, 2.0, 4.0, 8.0), sleep=waits.append)
+    assert waits == [1.0, 2.0, 4.0] and not answers
+
+    def refused():
+        raise AuditError("cannot record Event AuditorJournalMode on pod a/b: Forbidden")
+    with caplog.at_level("WARNING"):
+        assert not record_with_retries(refused, (1.0, 2.0), sleep=lambda s: None)
+    assert "Forbidden; gave up after 2 more tries" in caplog.text
 
 
 def test_mode_message_names_the_kernel_mode():
