@@ -181,7 +181,9 @@ def stack(_real_cluster_session, tmp_path_factory):
                           "runtime": {"engine": "vllm", "kvCacheBytes": 268435456, "gpus": gpus, "drainSeconds": 60,
                                       "enforceEager": True, "dtype": "float32",
                                       "resources": {"requests": {"cpu": "200m", "memory": "512Mi"},
-                                                    "limits": {"memory": "8Gi"}}}}}
+                                                    "limits": {"memory": "8Gi"}}},
+                          # precise mode (issue 24): the gossiped digest follows vLLM's KV cache events
+                          "gossip": {"prefixDigestSource": "kvEvents"}}}
         started = time.monotonic()
         cluster.apply(inode)
         s.pod()
@@ -301,6 +303,40 @@ def test_the_openai_sdk_through_the_models_service(stack):
             reply = client.chat.completions.create(model=MODEL, max_tokens=4, messages=MESSAGES)
             assert reply.model == MODEL and 1 <= reply.usage.completion_tokens <= 4
     print(f"openai SDK through Service zl-model-{MODEL} ({service['spec']['clusterIP']}:{PORT}): 3 answers")
+
+
+def test_the_gossiped_prefix_digest_follows_vllm_kv_cache_events(stack):
+    """Issue 24's precise mode on a cluster with the real engine: the InferenceNode asks for
+    ``gossip.prefixDigestSource: kvEvents``. After one chat with a long system prompt, the digest the
+    runtime gossips in the InferenceNode's status holds the chat's leading byte blocks, but not its
+    last one: vLLM caches full token blocks only, and reports those in its KV cache events (the
+    ``served`` record would hold every block of the chat). The reset side, where an eviction takes
+    blocks out, is tests/integration/runtime/test_kv_events_vllm.py."""
+    import openai
+
+    from zerolayer.prefix import PrefixDigest, chat_block_hashes
+
+    pod = stack.pod()
+    system, question = "zero layer " * 120, "How much is it?"  # ~600 tokens: several full KV blocks
+    blocks = chat_block_hashes([("system", system), ("user", question)])
+    url = f"http://{pod['status']['podIP']}:{PORT}/v1"
+    with openai.OpenAI(base_url=url, api_key=stack.b.key, max_retries=2, timeout=120) as client:
+        reply = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+    assert reply.usage.prompt_tokens > 500, reply.usage
+
+    def held():
+        status = stack.cluster.kubectl_json("get", "inferencenode", INODE).get("status") or {}
+        digest = PrefixDigest.decode((status.get("prefixCache") or {}).get("digest"))
+        matched = digest.matched(blocks) if digest is not None else 0
+        return matched if matched >= 2 else None
+    started = time.monotonic()
+    matched = stack.cluster.wait_for(held, timeout=60, interval=1,
+                                     what="the chat's leading blocks in the InferenceNode's gossiped prefix digest")
+    stack.times["kvEvents digest: the chat's blocks in the InferenceNode status after the answer"] = \
+        time.monotonic() - started
+    print(f"gossiped digest (kvEvents) holds {matched} of the chat's {len(blocks)} byte blocks")
+    assert matched < len(blocks), "the last byte block lies in a partial token block, which vLLM does not cache"
 
 
 def test_two_models_and_an_adapter_served_by_one_pod(stack):
