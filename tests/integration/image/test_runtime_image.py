@@ -37,7 +37,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from zerolayer.runtime.node import tinymodel
 tinymodel.generate("/tmp/model")
 from vllm import LLM, SamplingParams
-llm = LLM(model="/tmp/model", kv_cache_memory_bytes=64 << 20, enforce_eager=True, max_model_len=256)
+# float32 as the model was written, as every other real-engine test asks: vLLM's CPU default (auto ->
+# bfloat16) died with SIGILL (exit 132) in its first forward pass on a Xeon listing amx_bf16 and
+# avx512_bf16, on the host as in the container (docs/image.md).
+llm = LLM(model="/tmp/model", kv_cache_memory_bytes=64 << 20, enforce_eager=True, max_model_len=256, dtype="float32")
 out = llm.generate(["hello"], SamplingParams(max_tokens=8, ignore_eos=True))
 print("GENERATED", len(out[0].outputs[0].token_ids))
 """
