@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -260,7 +260,8 @@ def _announce_mode(args: argparse.Namespace, opened: _Opened) -> None:
 MODE_EVENT_RETRY_DELAYS_S = (2.0, 4.0, 8.0, 16.0, 30.0)
 
 
-def record_with_retries(record: Any, delays: Any, sleep: Any = time.sleep) -> bool:
+def record_with_retries(record: Callable[[], None], delays: Sequence[float],
+                        sleep: Callable[[float], None] = time.sleep) -> bool:
     """Call ``record`` after each of ``delays`` until it succeeds; False (and logged) when none did."""
     from zerolayer.bpf.errors import AuditError
 
