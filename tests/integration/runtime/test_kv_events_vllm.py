@@ -95,3 +95,35 @@ async def test_the_digest_holds_a_chat_once_vllm_stored_it_and_drops_it_after_a_
     again = await _chat(vllm_runtime.port, [{"role": r, "content": t} for r, t in turns])
     assert (again["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0  # the reset did drop it
     await _until(lambda: record.digest().matched(blocks) == expected, "the second store never reached the digest")
+
+
+async def test_batches_the_subscriber_missed_come_back_from_vllms_own_replay_socket():
+    """vLLM's real publisher (``ZmqEventPublisher``, no engine needed) configured as the runtime configures
+    the engine core; the feed is handed only the third batch (as if the first two were dropped) and fetches
+    the other two over vLLM's replay protocol, applying them first: every block is placed on its parent."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from zerolayer.engine_prefixes import EngineCachedPrefixes
+    from zerolayer.runtime.engine.kv_events import KvEventSubscriber
+
+    record = EngineCachedPrefixes(block_size=4)
+    subscriber = KvEventSubscriber(record)  # not started: the test feeds it by hand
+    config = subscriber.events_config()
+    publisher = ZmqEventPublisher(0, endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"],
+                                  buffer_steps=config["buffer_steps"], topic=config["topic"])
+    try:
+        for i in range(3):
+            publisher.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+                block_hashes=[100 + i], parent_block_hash=99 + i if i else None, token_ids=list(range(4 * i, 4 * i + 4)),
+                block_size=4, lora_id=None, medium="GPU", lora_name=None)]))
+        deadline = time.monotonic() + 20
+        while len(replayed := subscriber.replay(0)) < 3:  # the publisher's thread buffers them as it sends
+            assert time.monotonic() < deadline, f"vLLM's replay socket returned {len(replayed)} of 3 batches"
+            time.sleep(0.05)
+        assert [int.from_bytes(f[1], "big") for f in replayed] == [0, 1, 2]
+        subscriber.feed.feed(replayed[2])
+        assert subscriber.feed.replayed == 2 and subscriber.feed.batches == 3 and subscriber.feed.gaps == 0
+        assert record.unplaced == 0  # 0 and 1 were applied before 2, whose parent is 1
+    finally:
+        publisher.shutdown()
+        subscriber.stop()

@@ -43,6 +43,71 @@ def test_the_feed_applies_batches_and_logs_a_gap_once(caplog):
     assert record.digest().matched(chat_block_hashes(turns)) == 1  # the state is kept, not reset
 
 
+def test_a_gap_is_replayed_in_order_before_the_batch_that_revealed_it():
+    applied: list[bytes] = []
+
+    class Record:
+        def apply(self, events: list) -> None:
+            applied.extend(events)
+
+    asked: list[int] = []
+
+    def replay(start: int) -> list[list[bytes]]:  # what vLLM's buffer still holds: everything from 0
+        asked.append(start)
+        return [frames(seq, b"b%d" % seq) for seq in range(0, 9)]
+
+    feed = KvEventFeed(Record(), lambda payload: Batch([payload]), replay=replay)
+    feed.feed(frames(0, b"b0"))
+    feed.feed(frames(3, b"b3"))  # 1 and 2 were dropped: replayed first, then 3
+    feed.feed(frames(4, b"b4"))
+    assert applied == [b"b0", b"b1", b"b2", b"b3", b"b4"]
+    assert asked == [1] and feed.replayed == 2 and feed.gaps == 0 and feed.batches == 5
+
+
+def test_the_first_batches_a_slow_joiner_missed_are_replayed_from_zero():
+    applied: list[bytes] = []
+
+    class Record:
+        def apply(self, events: list) -> None:
+            applied.extend(events)
+
+    feed = KvEventFeed(Record(), lambda payload: Batch([payload]),
+                       replay=lambda start: [frames(seq, b"b%d" % seq) for seq in range(start, 3)])
+    feed.feed(frames(2, b"b2"))  # the PUB connected late: 0 and 1 went nowhere
+    assert applied == [b"b0", b"b1", b"b2"] and feed.replayed == 2 and feed.gaps == 0
+
+
+def test_what_the_replay_cannot_return_is_counted_and_logged_once(caplog):
+    caplog.set_level(logging.WARNING, "zerolayer.runtime.engine.kv_events")
+    applied: list[bytes] = []
+
+    class Record:
+        def apply(self, events: list) -> None:
+            applied.extend(events)
+
+    def replay(start: int) -> list[list[bytes]]:
+        if start > 5:
+            raise OSError("the engine core went away")
+        return [frames(2, b"b2"), [b"short"]]  # 1 aged out of vLLM's buffer; a malformed frame is skipped
+
+    feed = KvEventFeed(Record(), lambda payload: Batch([payload]), replay=replay)
+    feed.feed(frames(0, b"b0"))
+    feed.feed(frames(3, b"b3"))
+    feed.feed(frames(9, b"b9"))  # 4..8: the replay fails
+    assert applied == [b"b0", b"b2", b"b3", b"b9"]
+    assert feed.replayed == 1 and feed.gaps == 1 + 5
+    warnings = [r.message for r in caplog.records]
+    assert len(warnings) == 1 and "1 batches missing before sequence 3 (1 replayed)" in warnings[0]
+
+
+def test_a_sequence_that_starts_over_is_an_engine_core_restart_not_a_gap():
+    feed = KvEventFeed(EngineCachedPrefixes(block_size=BS), lambda payload: Batch([]),
+                       replay=lambda start: pytest.fail("nothing was missed"))
+    for seq in (0, 1, 2, 0, 1):
+        feed.feed(frames(seq))
+    assert feed.batches == 5 and feed.gaps == 0
+
+
 def test_the_feed_skips_what_it_cannot_read():
     record = EngineCachedPrefixes(block_size=BS)
 
@@ -104,7 +169,10 @@ def test_the_subscriber_binds_loopback_and_feeds_the_record_from_a_connecting_pu
     subscriber = KvEventSubscriber(Record(), decode=lambda payload: Batch([payload]))
     assert subscriber.endpoint.startswith("tcp://127.0.0.1:")
     assert subscriber.events_config() == {"enable_kv_cache_events": True, "publisher": "zmq",
-                                          "endpoint": subscriber.endpoint, "topic": "zerolayer-kv"}
+                                          "endpoint": subscriber.endpoint, "topic": "zerolayer-kv",
+                                          "replay_endpoint": subscriber.replay_endpoint, "buffer_steps": 10_000}
+    replay_dir = pathlib.Path(subscriber.replay_endpoint.removeprefix("ipc://")).parent
+    assert subscriber.replay_endpoint.startswith("ipc://") and replay_dir.stat().st_mode & 0o077 == 0
     subscriber.start()
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
@@ -123,3 +191,4 @@ def test_the_subscriber_binds_loopback_and_feeds_the_record_from_a_connecting_pu
         context.term()
         subscriber.stop()
         subscriber.stop()  # idempotent
+    assert not replay_dir.exists()

@@ -11,47 +11,92 @@ PUB socket *connects* to it (vLLM connects to any ``tcp://`` endpoint without a 
 is guessed, nothing listens beyond loopback, and there is no file to clean up.
 
 :class:`KvEventFeed` is the sans-IO part (frames in, the record fed); :class:`KvEventSubscriber` the
-thread and socket. A gap in the sequence (vLLM's PUB drops past its high-water mark, or a message
-lost while the engine core restarted) or an undecodable message is logged once, then the record
-keeps what it has: the digest may then claim a block the engine evicted (a missed ``BlockRemoved``)
-until the engine reports a removal, a clear, or the runtime restarts, and omits blocks whose store
-was missed (and their children, which cannot be placed) until vLLM stores them again.
+thread and sockets.
+
+**Missed batches are replayed.** PUB/SUB drops silently: the first batches while vLLM's PUB is still
+connecting (ZMQ's "slow joiner"), and any past vLLM's high-water mark. Every batch carries a sequence
+number from 0, so the feed knows what it missed: the batch after a gap waits while the missed ones
+are fetched from vLLM's replay socket (a ROUTER the engine core binds at ``replay_endpoint`` and
+answers from its last ``buffer_steps`` batches: ``vllm/distributed/kv_events.py``), applied in order,
+then the waiting one. The replay socket is an ``ipc://`` path in a directory only this process's user
+can enter, removed at :meth:`KvEventSubscriber.stop`: nothing listens on the network. What the
+replay cannot return (older than vLLM's buffer, or no answer in :data:`REPLAY_TIMEOUT_MS`) and
+undecodable messages are counted and logged once, then the record keeps what it has: the digest may
+then claim a block the engine evicted (a missed ``BlockRemoved``) until the engine reports a removal,
+a clear, or the runtime restarts, and omits blocks whose store was missed (and their children,
+which cannot be placed) until vLLM stores them again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
 
 TOPIC = "zerolayer-kv"
+REPLAY_BUFFER_STEPS = 10_000  # vLLM's default: batches its engine core keeps for replay
+REPLAY_TIMEOUT_MS = 1_000  # the most one replay waits for the engine core's next frame
+END_SEQ = -1  # the replay's last frame (vLLM's ZmqEventPublisher.END_SEQ)
+
+#: ``replay(start)``: the ``[topic, sequence, payload]`` frames vLLM still holds from ``start`` on.
+Replay = Callable[[int], Sequence[Sequence[bytes]]]
 
 
 class KvEventFeed:
     """Frames of vLLM's KV event stream in, ``record.apply(events)`` out. ``decode``: payload bytes
-    to a ``KVEventBatch`` (an object with ``events``). Counts what it saw; logs a problem once."""
+    to a ``KVEventBatch`` (an object with ``events``). ``replay`` (optional): fetches missed batches
+    (see the module doc); the stream is expected from sequence 0, the engine core's first batch.
+    Counts what it saw; logs a problem once."""
 
-    def __init__(self, record: Any, decode: Callable[[bytes], Any]) -> None:
+    def __init__(self, record: Any, decode: Callable[[bytes], Any], replay: Replay | None = None) -> None:
         self.record = record
         self.decode = decode
+        self.replay = replay
         self.batches = 0
-        self.gaps = 0  # batches known to be missing
+        self.gaps = 0  # batches known to be missing and not recovered
+        self.replayed = 0  # batches recovered by replay
         self.undecodable = 0
-        self._next_seq: int | None = None
+        self._next_seq = 0
         self._warned = False
 
-    def feed(self, frames: list[bytes]) -> None:
+    def feed(self, frames: Sequence[bytes]) -> None:
         if len(frames) != 3:
             self._problem("a message of %d frames (expected topic, sequence, payload)", len(frames))
             return
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big", signed=True)
-        if self._next_seq is not None and seq > self._next_seq:
-            self.gaps += seq - self._next_seq
-            self._problem("%d batches missing before sequence %d", seq - self._next_seq, seq)
+        if seq > self._next_seq:
+            self._recover(self._next_seq, seq)
+        # A sequence that goes back (an engine core restarted and counts from 0 again) starts over.
         self._next_seq = seq + 1
+        self._apply(payload)
+
+    def _recover(self, first: int, upto: int) -> None:
+        """Batches ``first .. upto - 1`` were missed: replay what vLLM still holds, in order."""
+        got: dict[int, bytes] = {}
+        if self.replay is not None:
+            try:
+                for frames in self.replay(first):
+                    if len(frames) == 3:
+                        seq = int.from_bytes(frames[1], "big", signed=True)
+                        if first <= seq < upto:
+                            got[seq] = frames[2]
+            except Exception as exc:  # zmq.ZMQError: the engine core went away; what is missing is said below
+                log.debug("vLLM KV cache events: replay failed: %s", exc)
+        for seq in sorted(got):
+            self._apply(got[seq])
+        self.replayed += len(got)
+        missing = upto - first - len(got)
+        if missing:
+            self.gaps += missing
+            self._problem("%d batches missing before sequence %d (%d replayed)", missing, upto, len(got))
+
+    def _apply(self, payload: bytes) -> None:
         try:
             batch = self.decode(payload)
         except Exception as exc:  # msgspec.DecodeError / ValidationError: a vLLM of another wire format
@@ -88,7 +133,7 @@ class KvEventSubscriber:
         import zmq
 
         self.topic = topic
-        self.feed = KvEventFeed(record, decode or vllm_decoder())
+        self.feed = KvEventFeed(record, decode or vllm_decoder(), replay=self.replay)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -96,12 +141,40 @@ class KvEventSubscriber:
         self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
         port = self._socket.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._replay_dir = tempfile.mkdtemp(prefix="zerolayer-kv-")  # mode 0700: this user's only
+        self.replay_endpoint = f"ipc://{os.path.join(self._replay_dir, 'replay')}"
+        self._dealer: Any = None  # the replay client, made and used on the subscriber thread only
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def events_config(self) -> dict[str, Any]:
-        """``KVEventsConfig``'s fields for the engine: publish to this subscriber."""
-        return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint, "topic": self.topic}
+        """``KVEventsConfig``'s fields for the engine: publish to this subscriber, answer its replays."""
+        return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint, "topic": self.topic,
+                "replay_endpoint": self.replay_endpoint, "buffer_steps": REPLAY_BUFFER_STEPS}
+
+    def replay(self, start: int) -> list[list[bytes]]:
+        """Ask the engine core for its buffered batches from ``start`` on (vLLM's replay protocol: an
+        empty frame and the start sequence; ``topic, sequence, payload`` frames back until
+        :data:`END_SEQ`). Called on the subscriber thread (by the feed). A replay that goes
+        unanswered for :data:`REPLAY_TIMEOUT_MS` returns what came, and the socket is made anew so
+        that a late answer cannot be read as the next replay's."""
+        import zmq
+
+        if self._dealer is None:
+            self._dealer = self._context.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.connect(self.replay_endpoint)
+        self._dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+        out: list[list[bytes]] = []
+        while True:
+            if not self._dealer.poll(REPLAY_TIMEOUT_MS):
+                self._dealer.close(linger=0)
+                self._dealer = None
+                return out
+            frames = self._dealer.recv_multipart()[1:]  # the empty delimiter first
+            if len(frames) != 3 or int.from_bytes(frames[1], "big", signed=True) == END_SEQ:
+                return out
+            out.append(frames)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
@@ -118,11 +191,14 @@ class KvEventSubscriber:
                             "last state", exc)
         finally:
             self._socket.close(linger=0)
+            if self._dealer is not None:
+                self._dealer.close(linger=0)
 
     def stop(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
+        shutil.rmtree(self._replay_dir, ignore_errors=True)
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=5)
@@ -130,6 +206,8 @@ class KvEventSubscriber:
                 return
         else:
             self._socket.close(linger=0)
+            if self._dealer is not None:
+                self._dealer.close(linger=0)
         self._context.term()
 
 
