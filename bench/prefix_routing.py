@@ -2,7 +2,8 @@
 
     python bench/prefix_routing.py                      # the table (synthetic prefill model, ~6 min)
     python bench/prefix_routing.py --quick              # a smaller run (~2 min)
-    python bench/prefix_routing.py --vllm-small         # the real vLLM engine, a workload this CPU can serve
+    python bench/prefix_routing.py --vllm-small         # the real vLLM engine, small and quick
+    python bench/prefix_routing.py --vllm-prefill       # the real vLLM engine where prefill dominates (~35 min)
 
 Three runtimes run as their own processes (``RuntimeServer`` on the real HTTP/2 path, as
 ``tests/integration/client/runtime_node.py`` starts them). The client is the SDK itself
@@ -14,12 +15,15 @@ policy is the only thing that changes between rows:
 - ``session``: today's session hashing (a consistent-hash ring on the session id);
 - ``prefix``: prefix-aware choice from the SDK's own record of where it sent which blocks;
 - ``precise``: the same, reading each node's gossiped ``status.prefixCache`` digest;
-- ``oracle`` (synthetic engine only): the same choice rule (bounded load, longest match, the ring for a
-  new prefix) fed by every node's exact prefix cache at the moment of the choice: each node streams
-  its cache changes (blocks stored, including prompts queued for prefill, and evicted) to the bench
-  as they happen, the bench renders each prompt with the synthetic engine's own template to the
-  token blocks the node will hash, and the client keeps no record of its own. The yardstick for
-  "precise within 10 % of an oracle".
+- ``oracle``: the same choice rule (bounded load, longest match, the ring for a new prefix) fed by
+  every node's exact prefix cache at the moment of the choice: each node streams its cache changes
+  to the bench as they happen, the bench renders each prompt to the token blocks the node will
+  hash, and the client keeps no record of its own. Synthetic engine: blocks stored (including
+  prompts queued for prefill) and evicted by the prefill model, prompts rendered with its template.
+  Real engine (needs ``--prefix-digest kv_events``): every token block vLLM's own KV cache events
+  say it stored or evicted, keyed as :mod:`zerolayer.engine_prefixes` keys them, prompts rendered
+  with the model's tokenizer and chat template as the runtime renders them. The yardstick for
+  "precise within 10 % of an oracle"; ``oracle prompts not seen at a node`` checks the rendering.
 
 Gossip: each node runs the real :class:`~zerolayer.runtime.gossip.publisher.GossipPublisher`
 (its change/heartbeat policy and the 2 s digest throttle) with a file in place of the API server;
@@ -36,6 +40,13 @@ real queueing. The hit rate is the engines' own (cached prompt tokens / prompt t
 ``--vllm-small`` runs the real vLLM instead (a ~5M-parameter random Llama, 16 MiB of KV cache per
 node so that six groups do not fit one node's cache but two do), smaller and slower: the check
 that the synthetic model's direction holds on the real engine, with vLLM's own hit counters.
+``--vllm-prefill`` is the real engine where prefill dominates TTFT (a random Llama of 8 layers x
+hidden 512: an uncached ~830-token prompt takes ~1.2 s to prefill on this CPU, a cached one
+~0.15 s), 12 groups, each node's KV cache holding about five groups' prompts, precise mode and
+the oracle from vLLM's KV cache events: the peers' shape at the size 2 shared cores allow. Its
+shared rows start with one unmeasured request per group (``--warm-groups``): the peers' runs send
+hundreds of requests per prefix, so the one cold prefill each group costs every policy is far
+below their P90; with 90 requests over 12 groups it would be the P90 of every row.
 
 Workload: the kubernetes-sigs inference-perf ``shared_prefix`` shape (``num_groups`` groups,
 each a long shared system prompt, short distinct questions, ``output_len`` tokens out), Poisson
@@ -181,10 +192,36 @@ def run_node(args: argparse.Namespace) -> None:
                 async for delta in super().generate(prompt, options, request_id, priority):
                     yield delta
 
-        return CountingVllm(args.model_path, served_name=MODEL, prefix_digest=args.prefix_digest,
-                            settings=VllmSettings(max_model_len=1024, max_num_seqs=8,
-                                                  kv_cache_memory_bytes=args.kv_cache_bytes, enforce_eager=True,
-                                                  dtype="float32", enable_prefix_caching=True))
+        engine = CountingVllm(args.model_path, served_name=MODEL, prefix_digest=args.prefix_digest,
+                              settings=VllmSettings(max_model_len=args.max_model_len, max_num_seqs=8,
+                                                    kv_cache_memory_bytes=args.kv_cache_bytes, enforce_eager=True,
+                                                    dtype="float32", enable_prefix_caching=True))
+        if args.prefix_digest == "kv_events":
+            # The same record, telling the oracle every token block vLLM's events say it stored or evicted
+            # (by the record's token chain keys, which the bench computes from each prompt's token ids).
+            engine.served_prefixes = TellingRecord(engine_blocks=engine.served_prefixes.engine_blocks)
+        return engine
+
+    from zerolayer.engine_prefixes import EngineCachedPrefixes
+
+    class TellingRecord(EngineCachedPrefixes):
+        """:class:`EngineCachedPrefixes` that prints the token keys it starts or stops holding (for the oracle)."""
+
+        def _told(self, change: Any, *call: Any) -> None:
+            before = set(self._held)
+            change(*call)
+            after = set(self._held)
+            tell("+", [k.to_bytes(8, "big") for k in after - before])
+            tell("-", [k.to_bytes(8, "big") for k in before - after])
+
+        def stored(self, hashes, parent, token_ids, block_size):  # type: ignore[no-untyped-def]
+            self._told(super().stored, hashes, parent, token_ids, block_size)
+
+        def removed(self, hashes):  # type: ignore[no-untyped-def]
+            self._told(super().removed, hashes)
+
+        def cleared(self) -> None:
+            self._told(super().cleared)
 
     def engine_counts(engine: Any) -> dict[str, Any]:
         if args.engine == "synthetic":
@@ -233,6 +270,8 @@ def run_node(args: argparse.Namespace) -> None:
             os.replace(tmp, args.stats_file)
 
         print(f"READY {server.port}", flush=True)
+        if args.engine == "vllm":  # the engine's tokens per KV block, for the oracle's token keys (read after READY)
+            print(f"{ORACLE_LINE}bs {engine._llm.vllm_config.cache_config.block_size}", flush=True)
         while not stop.is_set():  # the bench reads these between policies when it reuses the nodes
             write_stats()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -292,12 +331,16 @@ class OracleCaches:
     def __init__(self) -> None:
         self.held: dict[str, set[bytes]] = collections.defaultdict(set)
         self.ever: set[bytes] = set()
+        self.block_size: int | None = None  # the real engine's tokens per KV block (its nodes say)
 
     def follow(self, name: str, stream: Any) -> None:
         for line in stream:
             if not line.startswith(ORACLE_LINE):
                 continue
             sign, _, hashes = line[len(ORACLE_LINE):].strip().partition(" ")
+            if sign == "bs":
+                self.block_size = int(hashes)
+                continue
             blocks = [bytes.fromhex(h) for h in hashes.split(",") if h]
             if sign == "+":
                 self.held[name].update(blocks)
@@ -351,19 +394,45 @@ class NoRecord:
         pass
 
 
-async def oracle_prompts(requests: list[tuple[float, str, str]]) -> dict[tuple[int, ...], list[bytes]]:
-    """Each request's SDK byte-block hashes -> the token blocks the node's engine will hash for it."""
+async def oracle_prompts(requests: list[tuple[float, str, str]], args: argparse.Namespace,
+                         caches: OracleCaches) -> dict[tuple[int, ...], list[bytes]]:
+    """Each request's SDK byte-block hashes -> the token blocks the node's engine will hash for it.
+
+    Synthetic engine: its own template and :func:`token_blocks`. Real engine: the model's tokenizer
+    and chat template as :meth:`VllmEngine.render` applies them, cut into the engine's KV blocks and
+    keyed as :mod:`zerolayer.engine_prefixes` keys vLLM's events (what the nodes tell the oracle)."""
     from zerolayer import prefix
     from zerolayer.runtime.engine.base import ChatMessage
+
+    out = {}
+    if args.engine == "vllm":
+        from transformers import AutoTokenizer
+
+        from zerolayer.engine_prefixes import token_keys
+
+        if caches.block_size is None:
+            raise RuntimeError("the nodes did not say their KV block size")
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        for _, system, question in requests:
+            body = {"system": system, "messages": [{"role": "user", "content": question}]}
+            text = tokenizer.apply_chat_template(list(body_chat(system, question)), add_generation_prompt=True,
+                                                 tokenize=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            out[prefix.chat_block_hashes(prefix.chat_turns(body))] = [
+                k.to_bytes(8, "big") for k in token_keys(ids, caches.block_size)]
+        return out
     from zerolayer.runtime.engine.synthetic import SyntheticEngine
 
     engine = SyntheticEngine((MODEL,))
-    out = {}
     for _, system, question in requests:
         body = {"system": system, "messages": [{"role": "user", "content": question}]}
         rendered = await engine.render(MODEL, [ChatMessage("system", system), ChatMessage("user", question)])
         out[prefix.chat_block_hashes(prefix.chat_turns(body))] = token_blocks(rendered.token_ids)
     return out
+
+
+def body_chat(system: str, question: str) -> tuple[dict[str, str], ...]:
+    return ({"role": "system", "content": system}, {"role": "user", "content": question})
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -379,13 +448,18 @@ def workload(kind: str, n: int, *, groups: int, system_len: int, question_len: i
              seed: int) -> list[tuple[float, str, str]]:
     """``(arrival_s, system, question)``: inference-perf's shared_prefix shape, Poisson arrivals."""
     rng = random.Random(seed)
-    systems = [f"group {g}: " + words(random.Random(seed * 1000 + g), system_len) for g in range(groups)]
+    systems = group_systems(groups, system_len, seed)
     out, t = [], 0.0
     for i in range(n):
         t += rng.expovariate(rate)
         system = rng.choice(systems) if kind == "shared" else f"request {i}: " + words(rng, system_len)
         out.append((t, system, f"question {i}: " + words(rng, question_len)))
     return out
+
+
+def group_systems(groups: int, system_len: int, seed: int) -> list[str]:
+    """The shared system prompts of :func:`workload`'s groups."""
+    return [f"group {g}: " + words(random.Random(seed * 1000 + g), system_len) for g in range(groups)]
 
 
 @contextlib.contextmanager
@@ -404,6 +478,7 @@ def fleet(args: argparse.Namespace,
                    "--cache-blocks", str(args.cache_blocks), "--output-tokens", str(args.output_tokens),
                    "--decode-tps", str(args.decode_tps), "--engine", args.engine,
                    "--model-path", args.model_path, "--kv-cache-bytes", str(args.kv_cache_bytes),
+                   "--max-model-len", str(args.max_model_len),
                    "--digest-blocks", str(args.digest_blocks), "--digest-seconds", str(args.digest_seconds),
                    "--prefix-digest", args.prefix_digest]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True))
@@ -440,7 +515,7 @@ async def drive(policy: str, files: dict[str, str], requests: list[tuple[float, 
     from zerolayer.client import AsyncClient
 
     node_map: Any = FileNodeMap(files, digests=policy == "precise", interval_s=args.map_seconds)
-    prompts = await oracle_prompts(requests) if policy == "oracle" else {}
+    prompts = await oracle_prompts(requests, args, caches) if policy == "oracle" else {}
     if policy == "oracle":
         node_map = OracleNodeMap(node_map, caches, prompts)
     clients = [AsyncClient(api_key=KEY, nodes=node_map, deadline=600.0, timeout=600.0, max_retries=2)
@@ -516,15 +591,22 @@ def run_bench(args: argparse.Namespace) -> None:
     if args.save:
         import benchlib
 
-        suffix = "_kv_events" if args.prefix_digest == "kv_events" else ""
+        suffix = "_prefill" if args.vllm_prefill else "_kv_events" if args.prefix_digest == "kv_events" else ""
         benchlib.save(f"prefix_routing_{args.engine}{suffix}", f"$ {benchlib.bench_argv()}\n{table}\n", rows)
 
 
 def run_rows(args: argparse.Namespace, workdir: pathlib.Path, rows: list[dict[str, Any]], kept: Any) -> None:
+    if kept is not None and args.engine == "vllm":
+        # Warm every engine (its first forward passes are slower) so the first row does not pay for it.
+        warm = workload("unique", 2 * args.nodes, groups=1, system_len=args.system_len,
+                        question_len=args.question_len, rate=args.nodes * 1.0, seed=999)
+        asyncio.run(drive("round_robin", kept[0], warm, args, kept[2]))
     for kind, rate in (("shared", args.rate), ("unique", args.unique_rate)):
         if kind not in args.workloads:
             continue
-        wanted = [p for p in POLICIES if p in args.policies and not (p == "oracle" and args.engine == "vllm")]
+        # The real engine's oracle reads vLLM's KV events, which its nodes subscribe to with kv_events only.
+        wanted = [p for p in POLICIES if p in args.policies
+                  and not (p == "oracle" and args.engine == "vllm" and args.prefix_digest != "kv_events")]
         for n, policy in enumerate(wanted):
             # Reused nodes: each policy gets prompts of its own (another seed), so no row is served
             # from a cache an earlier row filled.
@@ -533,6 +615,12 @@ def run_rows(args: argparse.Namespace, workdir: pathlib.Path, rows: list[dict[st
                                 seed=args.seed + (100 * n if kept is not None else 0))
             if kept is not None:
                 files, stat_files, caches = kept
+                if kind == "shared" and args.warm_groups:
+                    # Each group's first prefill, unmeasured: every policy pays it once per group, and
+                    # with few requests per group it would be the P90 of every row (12 of 90 here).
+                    systems = group_systems(args.groups, args.system_len, args.seed + 100 * n)
+                    asyncio.run(drive(policy, files, [(0.5 * g, system, f"warm-up {g}: " + words(
+                        random.Random(g), args.question_len)) for g, system in enumerate(systems)], args, caches))
                 before = read_stats(stat_files)
                 started = time.monotonic()
                 result = asyncio.run(drive(policy, files, requests, args, caches))
@@ -559,9 +647,10 @@ def run_rows(args: argparse.Namespace, workdir: pathlib.Path, rows: list[dict[st
 
 def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     if args.engine == "vllm":
-        engine = (f"{args.nodes} runtimes x real vLLM on CPU (random Llama, 6 layers, hidden 256, ~5M parameters, "
-                  f"float32, {args.kv_cache_bytes // 2**20} MiB KV cache each, prefix caching on; nodes reused, "
-                  f"fresh prompts per row; hit rate = vLLM's prefix_cache_hits / queries; digest: {args.prefix_digest})")
+        engine = (f"{args.nodes} runtimes x real vLLM on CPU (random Llama, {args.model_layers} layers, hidden "
+                  f"{args.model_hidden}, float32, {args.kv_cache_bytes // 2**20} MiB KV cache each, prefix caching on; "
+                  f"nodes reused, fresh prompts per row; hit rate = vLLM's prefix_cache_hits / queries; "
+                  f"digest: {args.prefix_digest})")
     else:
         engine = (f"{args.nodes} runtimes x synthetic engine with a prefill model ({args.prefill_ms_per_token} ms/uncached "
                   f"token, serial prefill, {args.cache_blocks} x {BLOCK_TOKENS}-token LRU prefix cache per node, "
@@ -570,7 +659,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{engine}; SDK AsyncClient x{args.clients}, a session per request",
         f"shared: inference-perf shared_prefix shape, {args.groups} groups x {args.system_len}-word system prompt + "
         f"{args.question_len}-word question, Poisson {args.rate:g} req/s; unique: no shared prefix, "
-        f"Poisson {args.unique_rate:g} req/s; {args.requests} requests each",
+        f"Poisson {args.unique_rate:g} req/s; {args.requests} requests each"
+        + ("; shared rows after one unmeasured request per group" if args.warm_groups and args.reuse_nodes else ""),
         "",
         f"{'workload':9} {'policy':12} {'P50 TTFT':>9} {'P90 TTFT':>9} {'req/s':>6} {'hit':>5} "
         f"{'P50 vs RR':>9} {'P90 vs RR':>9} {'tput vs RR':>10} {'err':>4}  per node   patches/s/node",
@@ -630,9 +720,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vllm: the real engine on CPU (--vllm-small sets a workload that fits this machine)")
     parser.add_argument("--vllm-small", action="store_true",
                         help="the real-vLLM run's shape: 6 groups x 150 words, 36 requests at 1.2 req/s, nodes reused")
-    parser.add_argument("--model-path", default="/tmp/zl/prefix-model")
+    parser.add_argument("--vllm-prefill", action="store_true",
+                        help="the real-vLLM run where prefill dominates TTFT: 8 layers x hidden 512, 12 groups x "
+                             "300 words (~830 tokens), 160 MiB KV cache per node (5,120 tokens: about 5 groups' "
+                             "prompts), 90 requests at 1 req/s (unique: 0.45), precise and oracle from KV events")
+    parser.add_argument("--model-path", help="the random model's folder (default: /tmp/zl/prefix-model-<layers>x<hidden>, "
+                                             "generated when missing)")
+    parser.add_argument("--model-layers", type=int, default=6)
+    parser.add_argument("--model-hidden", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-bytes", type=int, default=16 * 2**20)
     parser.add_argument("--reuse-nodes", action="store_true", help="start the nodes once for every row")
+    parser.add_argument("--warm-groups", action="store_true",
+                        help="with --reuse-nodes: before each shared row, one unmeasured request per group (its "
+                             "first prefill, which every policy pays once)")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--workloads", default="shared,unique")
     parser.add_argument("--digest-seconds", type=float, default=2.0,
@@ -649,15 +750,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.engine, args.reuse_nodes = "vllm", True
         args.groups, args.system_len, args.question_len, args.requests = 6, 150, 10, 36
         args.rate, args.unique_rate = 1.2, 0.8
+    if args.vllm_prefill:
+        args.engine, args.reuse_nodes, args.prefix_digest = "vllm", True, "kv_events"
+        args.model_layers, args.model_hidden, args.max_model_len = 8, 512, 2048
+        args.groups, args.system_len, args.question_len, args.requests = 12, 300, 20, 90
+        args.rate, args.unique_rate = 1.0, 0.45
+        args.kv_cache_bytes, args.warm_groups = 160 * 2**20, True
     if args.prefix_digest == "kv_events" and (args.engine != "vllm" or args.digest_blocks):
         parser.error("--prefix-digest kv_events needs the vllm engine (--engine vllm or --vllm-small) and no "
                      "--digest-blocks")
     args.policies = tuple(args.policies.split(","))
     args.workloads = tuple(args.workloads.split(","))
+    if args.model_path is None:
+        args.model_path = f"/tmp/zl/prefix-model-{args.model_layers}x{args.model_hidden}"
     if args.engine == "vllm" and not pathlib.Path(args.model_path, "config.json").exists():
         from zerolayer.runtime.node.tinymodel import generate
 
-        generate(args.model_path, layers=6, hidden=256, heads=8, max_positions=2048)  # ~5M parameters, 18 MB
+        # 6 x 256: ~5M parameters, 18 MB; 8 x 512: ~18M, 70 MB (heads of 32 or 64, vLLM CPU's minimum is 32)
+        generate(args.model_path, layers=args.model_layers, hidden=args.model_hidden,
+                 heads=max(8, args.model_hidden // 64), max_positions=max(2048, args.max_model_len))
     return args
 
 
