@@ -3,7 +3,7 @@
     python bench/prefix_routing.py                      # the table (synthetic prefill model, ~6 min)
     python bench/prefix_routing.py --quick              # a smaller run (~2 min)
     python bench/prefix_routing.py --vllm-small         # the real vLLM engine, small and quick
-    python bench/prefix_routing.py --vllm-prefill       # the real vLLM engine where prefill dominates (~35 min)
+    python bench/prefix_routing.py --vllm-prefill       # the real vLLM engine where prefill dominates (~25 min)
 
 Three runtimes run as their own processes (``RuntimeServer`` on the real HTTP/2 path, as
 ``tests/integration/client/runtime_node.py`` starts them). The client is the SDK itself
@@ -41,8 +41,8 @@ real queueing. The hit rate is the engines' own (cached prompt tokens / prompt t
 node so that six groups do not fit one node's cache but two do), smaller and slower: the check
 that the synthetic model's direction holds on the real engine, with vLLM's own hit counters.
 ``--vllm-prefill`` is the real engine where prefill dominates TTFT (a random Llama of 8 layers x
-hidden 512: an uncached ~830-token prompt takes ~1.2 s to prefill on this CPU, a cached one
-~0.15 s), 12 groups, each node's KV cache holding about five groups' prompts, precise mode and
+hidden 512, ~830-token prompts: the no-shared-prefix rows' P50 TTFT, an uncached prefill, is ~5x
+the prefix rows', mostly cached), 12 groups, each node's KV cache holding about five groups' prompts, precise mode and
 the oracle from vLLM's KV cache events: the peers' shape at the size 2 shared cores allow. Its
 shared rows start with one unmeasured request per group (``--warm-groups``): the peers' runs send
 hundreds of requests per prefix, so the one cold prefill each group costs every policy is far
@@ -415,8 +415,8 @@ async def oracle_prompts(requests: list[tuple[float, str, str]], args: argparse.
         tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         for _, system, question in requests:
             body = {"system": system, "messages": [{"role": "user", "content": question}]}
-            text = tokenizer.apply_chat_template(list(body_chat(system, question)), add_generation_prompt=True,
-                                                 tokenize=False)
+            chat = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
             ids = tokenizer.encode(text, add_special_tokens=False)
             out[prefix.chat_block_hashes(prefix.chat_turns(body))] = [
                 k.to_bytes(8, "big") for k in token_keys(ids, caches.block_size)]
@@ -429,10 +429,6 @@ async def oracle_prompts(requests: list[tuple[float, str, str]], args: argparse.
         rendered = await engine.render(MODEL, [ChatMessage("system", system), ChatMessage("user", question)])
         out[prefix.chat_block_hashes(prefix.chat_turns(body))] = token_blocks(rendered.token_ids)
     return out
-
-
-def body_chat(system: str, question: str) -> tuple[dict[str, str], ...]:
-    return ({"role": "system", "content": system}, {"role": "user", "content": question})
 
 
 def words(rng: random.Random, n: int) -> str:

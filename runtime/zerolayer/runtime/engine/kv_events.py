@@ -8,7 +8,8 @@ vLLM's own msgspec types.
 
 The subscriber *binds* a SUB socket on 127.0.0.1 with a port the kernel picks, and the engine core's
 PUB socket *connects* to it (vLLM connects to any ``tcp://`` endpoint without a wildcard): no port
-is guessed, nothing listens beyond loopback, and there is no file to clean up.
+is guessed and nothing listens beyond loopback. (The replay socket below is the one file, removed at
+stop.)
 
 :class:`KvEventFeed` is the sans-IO part (frames in, the record fed); :class:`KvEventSubscriber` the
 thread and sockets.
