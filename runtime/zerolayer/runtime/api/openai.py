@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Mapping, Sequence
 
@@ -583,6 +584,20 @@ def stream_piece(cid: str, created: int, model: str, delta: Any, include_usage: 
         body["tool_calls"] = tool_call_deltas(calls)
     return chunk(cid, created, model, body, None, use, include_usage=include_usage, index=delta.index,
                  logprobs=chat_logprobs(delta.logprobs) if logprobs else None)
+
+
+@functools.lru_cache(maxsize=4096)  # one entry per live stream; an evicted one is rendered again
+def _chunk_head(cid: str, created: int, model: str) -> bytes:
+    return (b'data: {"id":' + dumps(cid) + b',"object":"chat.completion.chunk","created":' + b"%d" % created
+            + b',"model":' + dumps(model) + b',"choices":[{"index":')
+
+
+def text_piece(cid: str, created: int, model: str, index: int, text: str) -> bytes:
+    """:func:`stream_piece` of a text-only delta with no logprobs, no tool calls and no usage — what
+    almost every streamed token is — byte for byte, without building and encoding its dict: the
+    stream's constant head is rendered once and only the text is JSON-encoded per token."""
+    return b'%s%d,"delta":{"content":%s},"finish_reason":null,"logprobs":null}]}\n\n' % (
+        _chunk_head(cid, created, model), index, json.encoder.encode_basestring(text).encode())
 
 
 def stream_close(cid: str, created: int, model: str, choices: Sequence[Choice], use: dict[str, Any],

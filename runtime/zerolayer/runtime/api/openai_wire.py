@@ -36,6 +36,8 @@ class OpenAIWire:
 
     def stream_delta(self, frame: StreamFrame, delta: Delta, calls: Sequence[ToolCallPiece] = ()) -> bytes:
         request = frame.request
+        if not (calls or request.include_usage or request.continuous_usage or request.logprobs is not None):
+            return openai.text_piece(frame.request_id, frame.created, request.model, delta.index, delta.text)
         return openai.stream_piece(frame.request_id, frame.created, request.model, delta,
                                    include_usage=request.include_usage, logprobs=request.logprobs is not None,
                                    calls=calls,

@@ -21,6 +21,7 @@ this engine has no request tracing of its own to bridge (the runtime's spans cov
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import math
@@ -167,23 +168,29 @@ class SyntheticEngine:
             if self.ttft_s:
                 await asyncio.sleep(self.ttft_s)
             longest = max(len(words) for words, _, _ in outputs)
+            logprobs = options.logprobs
+            held = self._held
+            pace = 1.0 / self.tokens_per_second if self.tokens_per_second else 0.0
             for step in range(longest):
                 if request_id in self._aborted:
                     for i in range(options.n):
                         yield Delta("", 0, "abort", index=i)
                     return
-                if step and self.tokens_per_second:
-                    await asyncio.sleep(1.0 / self.tokens_per_second)
+                if step and pace:
+                    await asyncio.sleep(pace)
                 for i, (words, finish, stop) in enumerate(outputs):
                     if step >= len(words):
                         continue
-                    self._held[request_id] += 1
-                    last = step == len(words) - 1
-                    yield Delta(words[step], 1, finish if last else None, index=i,
-                                stop_sequence=stop if last else None,
-                                logprobs=(self._logprob(words[step], options.logprobs),)
-                                if options.logprobs is not None else (),
-                                token_ids=(_token_id(words[step]),))
+                    held[request_id] += 1
+                    word = words[step]
+                    if step == len(words) - 1:
+                        yield Delta(word, 1, finish, i, stop,
+                                    (self._logprob(word, logprobs),) if logprobs is not None else (),
+                                    (_token_id(word),))
+                    else:
+                        yield Delta(word, 1, None, i, None,
+                                    (self._logprob(word, logprobs),) if logprobs is not None else (),
+                                    (_token_id(word),))
             for i, (words, finish, stop) in enumerate(outputs):
                 if not words:
                     yield Delta("", 0, finish, index=i, stop_sequence=stop)
@@ -210,6 +217,11 @@ class SyntheticEngine:
             count = options.max_tokens if options.ignore_eos else \
                 min(options.max_tokens, max(self.output_tokens, options.min_tokens))
             pieces = [(" " if i else "") + _WORDS[digest[i % len(digest)] % len(_WORDS)] for i in range(count)]
+        if not any(options.stop):  # nothing to cut at: the common case, without the per-piece scan
+            kept = pieces[:options.max_tokens]
+            finish = "length" if len(kept) < len(pieces) or (schema is None and len(kept) >= options.max_tokens) \
+                else "stop"
+            return kept, finish, None
         text, kept = "", []
         for piece in pieces[:options.max_tokens]:
             text += piece
@@ -254,8 +266,10 @@ class SyntheticEngine:
                            kv_cache_usage=min(1.0, used / self.kv_capacity_tokens))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _token_id(piece: str) -> int:
-    """A word's (or output piece's) token id: a hash, as stable as a vocabulary."""
+    """A word's (or output piece's) token id: a hash, as stable as a vocabulary (cached: a prompt's and
+    an answer's words repeat, and this runs once per word of each)."""
     return int.from_bytes(hashlib.blake2b(piece.encode(), digest_size=4).digest(), "big") % VOCAB_SIZE
 
 

@@ -45,6 +45,11 @@ class ServerCore(abc.ABC):
         self.last_activity = now
         self._open(now)
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes produced for the peer and not yet taken by :meth:`data_to_send`."""
+        return len(self._out)
+
     @abc.abstractmethod
     def _open(self, now: float) -> None:
         """The protocol's own connection state, set up once by the constructor."""

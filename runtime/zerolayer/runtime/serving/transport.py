@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
 LINGER_S = 1.0  # how long a closed connection keeps reading (and dropping) before the socket goes
+# Unsent bytes past which a streamed piece is written at once rather than with the loop iteration's
+# other output (asyncio's default write high-water mark, so pause_writing is reached as soon as before).
+FLUSH_BYTES = 65536
 
 
 _HTTP1_REQUEST_LINE = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/1\.[01]\r?\n")
@@ -154,12 +157,19 @@ class _Channel:
         self.conn.flush_soon()  # leaves with the body, or with the next send's immediate flush
 
     async def send(self, data: bytes) -> None:
-        core = self.conn.core
+        conn = self.conn
+        core = conn.core
         if not core.is_open(self.sid):
             raise StreamGone(f"stream {self.key} is closed")
         core.send_data(self.sid, data)
-        self.conn.flush()
-        await self.conn.wait_writable(self.sid)
+        # The pieces of every stream that sent in this loop iteration leave in one write (a syscall per
+        # connection per iteration, not one per token); past FLUSH_BYTES unsent they leave now, so the
+        # socket's back-pressure (pause_writing) is seen however fast a producer is.
+        if core.pending_bytes >= FLUSH_BYTES:
+            conn.flush()
+        else:
+            conn.flush_soon()
+        await conn.wait_writable(self.sid)
 
     async def end(self, data: bytes = b"") -> None:
         self.ended = True
@@ -314,9 +324,9 @@ class Connection(asyncio.Protocol):
         """Flush once the current event-loop iteration's callbacks have run.
 
         Everything the core produced in the meantime — the answers of every stream that finished
-        in this iteration, heads and bodies — then leaves in one ``write``: a syscall per connection per iteration instead of several per
-        request. A stream writing a body in pieces still flushes at once (:meth:`_Channel.send`),
-        so backpressure sees the socket's real state.
+        in this iteration, heads and bodies, streamed pieces included — then leaves in one ``write``: a
+        syscall per connection per iteration instead of several per request or one per token. A
+        stream's pieces leave at once only past ``FLUSH_BYTES`` unsent (:meth:`_Channel.send`).
         """
         if not self._flush_pending:
             self._flush_pending = True
@@ -379,6 +389,8 @@ class Connection(asyncio.Protocol):
         """Wait until stream ``sid`` may queue more. No progress for ``write_timeout_s`` (the
         stream's backlog did not shrink and the socket did not drain) resets the stream."""
         core = self.core
+        if not self.closed and not self._paused and core.is_open(sid) and core.writable(sid):
+            return  # the common case, without the clock reads below
         loop = asyncio.get_running_loop()
         timeout = self.limits.write_timeout_s
         deadline = loop.time() + timeout
