@@ -304,7 +304,10 @@ class H2ServerCore(ServerCore):
                 stream.discarded += len(event.data)
                 if stream.discarded > self.limits.max_body_bytes and stream.local_ended:
                     # Still sending a body nobody will read: ask it to stop (RFC 9113 §8.1).
-                    self._conn.reset_stream(sid, H2_NO_ERROR)
+                    try:
+                        self._conn.reset_stream(sid, H2_NO_ERROR)
+                    except h2.exceptions.H2Error:
+                        pass  # its END_STREAM came in the same read: h2 has closed it already
                     self._forget(sid)
             return
         if len(stream.body) + len(event.data) > stream.max_body:
