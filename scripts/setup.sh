@@ -23,6 +23,7 @@ fi
 # pyproject.toml asks for (PEP 639 license strings need setuptools >= 77).
 python3 -m pip install -q "setuptools>=77" wheel
 python3 -m pip install -q -e ".[test,bpf,tracing]"
+python3 -m pip install -q ./native/h2core
 # chdb is ClickHouse's engine in-process: the audit store's ClickHouse schema is tested on it.
 python3 -m pip install -q chdb
 

@@ -1,4 +1,4 @@
-"""Fuzz the sans-IO HTTP/2 core (runtime/protocol/h2conn.py) with raw frames and with hostile header blocks.
+"""Fuzz the sans-IO HTTP/2 cores (runtime/protocol/h2conn.py and the native h2native.py) with raw frames and with hostile header blocks.
 
 Contract: ``receive`` never raises. What the core writes is well-framed HTTP/2 (every frame parses
 with hyperframe). A malformed frame sequence ends in GOAWAY (PROTOCOL_ERROR, FRAME_SIZE_ERROR,
@@ -25,6 +25,7 @@ from tests.fuzz.strategies import frame, raw_frames
 from zerolayer.runtime.limits import BodyBudget, Limits
 from zerolayer.runtime.protocol.events import Accept, ConnectionEnded, Reject, RequestReady, StreamAborted
 from zerolayer.runtime.protocol.h2conn import PREFACE, H2ServerCore
+from zerolayer.runtime.protocol.h2native import NativeH2ServerCore
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 
@@ -32,6 +33,8 @@ LIMITS = Limits(max_header_count=8, max_continuation_frames=4, empty_frames_burs
                 max_queued_control_frames=8, window_update_burst=8, max_concurrent_streams=4)
 CLIENT_SETTINGS = SettingsFrame(0).serialize()
 GOAWAY_CODES = set(range(0, 0xE))  # RFC 9113 §7 error codes
+# Every property runs against both cores: python-hyper h2 and the Rust h2 crate.
+both_cores = pytest.mark.parametrize("core_cls", [H2ServerCore, NativeH2ServerCore], ids=["python", "native"])
 
 
 def gate(head):  # type: ignore[no-untyped-def]
@@ -43,9 +46,9 @@ def gate(head):  # type: ignore[no-untyped-def]
 class Harness:
     """The core under test, a shared body budget, and everything it wrote, parsed into frames."""
 
-    def __init__(self) -> None:
+    def __init__(self, core_cls: type = H2ServerCore) -> None:
         self.budget = BodyBudget.from_limits(LIMITS)
-        self.core = H2ServerCore(gate, LIMITS, budget=self.budget, clock=lambda: 1000.0)
+        self.core = core_cls(gate, LIMITS, budget=self.budget, clock=lambda: 1000.0)
         self.written = bytearray(self.core.data_to_send())
         self.events: list = []
 
@@ -102,6 +105,7 @@ def conversations(draw):  # type: ignore[no-untyped-def]
     return frames
 
 
+@both_cores
 @reproducible
 @given(frames=st.one_of(conversations(), st.lists(raw_frames, max_size=12)),
        cuts=st.lists(st.integers(1, 50), max_size=6))
@@ -110,8 +114,8 @@ def conversations(draw):  # type: ignore[no-untyped-def]
 @example(frames=[frame(0x1, 0x0, 1, b"\x82")] + [frame(0x9, 0x0, 1, b"")] * 10, cuts=[])  # CONTINUATION flood
 @example(frames=[frame(0x4, 0x0, 0, b"\x00\x04\xff\xff\xff\xff")], cuts=[])  # INITIAL_WINDOW_SIZE over 2^31-1
 @example(frames=[frame(0x0, 0x1, 1, b"x", length=2**24 - 1)], cuts=[])  # a length far past MAX_FRAME_SIZE
-def test_raw_frames_after_the_preface_never_crash_the_core(frames, cuts):
-    harness = Harness()
+def test_raw_frames_after_the_preface_never_crash_the_core(core_cls, frames, cuts):
+    harness = Harness(core_cls)
     data = PREFACE + CLIENT_SETTINGS + b"".join(frames)
     at = 0
     for cut in [*cuts, len(data)]:
@@ -143,6 +147,7 @@ REQUEST = [(b":method", b"POST"), (b":path", b"/v1/messages"), (b":scheme", b"ht
            (b"x-api-key", b"k")]
 
 
+@both_cores
 @reproducible
 @given(extra=header_blocks, keep=st.lists(st.sampled_from([True, True, True, False]), min_size=5, max_size=5), body=st.binary(max_size=100),
        end=st.booleans())
@@ -150,9 +155,9 @@ REQUEST = [(b":method", b"POST"), (b":path", b"/v1/messages"), (b":scheme", b"ht
 @example(extra=[(b"te", b"gzip")], keep=[True] * 5, body=b"", end=True)
 @example(extra=[(b":path", b"/again")], keep=[True] * 5, body=b"", end=True)  # duplicate pseudo-header
 @example(extra=[(b"x", b"1")] * 9, keep=[True] * 5, body=b"", end=True)  # over max_header_count
-def test_hostile_header_blocks_reach_the_gate_or_are_reset(extra, keep, body, end):
+def test_hostile_header_blocks_reach_the_gate_or_are_reset(core_cls, extra, keep, body, end):
     """Requests with missing, repeated or forbidden pseudo-headers, connection-specific fields, bad bytes."""
-    harness = Harness()
+    harness = Harness(core_cls)
     config = h2.config.H2Configuration(client_side=True, header_encoding=None, validate_outbound_headers=False,
                                        normalize_outbound_headers=False, validate_inbound_headers=False)
     client = h2.connection.H2Connection(config)

@@ -44,6 +44,7 @@ class RuntimeConfig:
     reuse_port: bool = False  # listen.reuse_port: SO_REUSEPORT, several processes on one port
     engines: tuple[Mapping[str, Any], ...] = ()  # ``engines:``: one engine per base model (else ``engine`` alone)
     tracing: "TracingSettings | None" = None  # telemetry.tracing: OpenTelemetry spans over OTLP; None: off
+    server_core: str = "python"  # server.core: the HTTP/2 core, "python" (h2conn) or "native" (Rust h2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +134,8 @@ def parse_tenant(data: Any, index: int, environ: Mapping[str, str]) -> Tenant:
 def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
     environ = os.environ if environ is None else environ
     data = _mapping(data, "config")
-    known = {"listen", "tls", "engine", "engines", "tenants", "scheduler", "gpu", "limits", "telemetry", "headers"}
+    known = {"listen", "tls", "engine", "engines", "tenants", "scheduler", "gpu", "limits", "telemetry", "headers",
+             "server"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown top-level keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -167,6 +169,7 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
     interval_ms = telemetry.get("sample_interval_ms", 200)
     if not isinstance(interval_ms, (int, float)) or interval_ms <= 0:
         raise ConfigError("telemetry.sample_interval_ms: expected a positive number")
+    server_core = parse_server_core(_mapping(data.get("server"), "server"))
     return RuntimeConfig(
         host=str(listen.get("host", "127.0.0.1")),
         port=port,
@@ -183,7 +186,28 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         required_headers=tuple(required),
         reuse_port=reuse_port,
         tracing=parse_tracing(telemetry.get("tracing")),
+        server_core=server_core,
     )
+
+
+SERVER_CORES = ("python", "native")
+
+
+def parse_server_core(server: Mapping[str, Any]) -> str:
+    """``server.core``: which HTTP/2 core serves h2 connections (docs/server-core.md, "The native core")."""
+    unknown = sorted(set(server) - {"core"})
+    if unknown:
+        raise ConfigError(f"server: unknown keys {', '.join(unknown)} (known: core)")
+    core = server.get("core", "python")
+    if core not in SERVER_CORES:
+        raise ConfigError(f"server.core: one of {', '.join(SERVER_CORES)}, got {core!r}")
+    if core == "native":
+        try:
+            import zerolayer_h2core  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError("server.core: native needs the compiled core: "
+                              "run `python3 -m pip install ./native/h2core`") from exc
+    return core
 
 
 def parse_engines(data: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:

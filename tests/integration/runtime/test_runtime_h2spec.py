@@ -25,11 +25,16 @@ def h2spec_binary() -> str | None:
     return shutil.which("h2spec")
 
 
-async def test_h2spec_all_cases_pass():
+@pytest.mark.parametrize("core", ["python", "native"])
+async def test_h2spec_all_cases_pass(core: str):
+    """Both HTTP/2 cores (``server.core``): python-hyper h2, and the Rust h2 crate (native/h2core)."""
     binary = h2spec_binary()
     if binary is None:
         pytest.skip("h2spec is not built: `zerolayer cluster up` builds it into the control-plane cache")
+    if core == "native":
+        pytest.importorskip("zerolayer_h2core", reason="the native core is not built: pip install ./native/h2core")
     async with start_runtime() as server:
+        server.context.server_core = core  # what server.core in the config sets (compose.py)
         proc = await asyncio.create_subprocess_exec(
             binary, "-h", "127.0.0.1", "-p", str(server.port), "--timeout", "5",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

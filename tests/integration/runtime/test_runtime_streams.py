@@ -28,6 +28,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.asyn
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
 
+@pytest.fixture(params=["python", "native"], autouse=True)
+def server_core(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """Every stream lifecycle over a socket runs on both HTTP/2 cores (``server.core``)."""
+    if request.param == "native":
+        pytest.importorskip("zerolayer_h2core", reason="the native core is not built: pip install ./native/h2core")
+        if request.node.name.startswith("test_cli_"):
+            pytest.skip("the CLI's runtime is another process, on its config's core; HTTP/1.1 here anyway")
+        from zerolayer.runtime.serving import transport
+
+        chosen = transport.h2_core_class
+        monkeypatch.setattr(transport, "h2_core_class", lambda name: chosen("native"))
+    return request.param
+
+
 async def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
     async def poll() -> None:
         while not predicate():

@@ -21,6 +21,21 @@ from zerolayer.contract import H2_ENHANCE_YOUR_CALM, H2_NO_ERROR, H2_REFUSED_STR
 from zerolayer.runtime.limits import Limits
 from zerolayer.runtime.protocol.events import Accept, ConnectionEnded, Reject, RequestReady, StreamAborted
 from zerolayer.runtime.protocol.h2conn import H2ServerCore
+from zerolayer.runtime.protocol.h2native import NativeH2ServerCore
+
+CORES = {"python": H2ServerCore, "native": NativeH2ServerCore}
+
+
+@pytest.fixture(params=sorted(CORES), autouse=True)
+def core_cls(request):  # type: ignore[no-untyped-def]
+    """Every test runs against both cores: the Pair helper and direct constructions pick it up."""
+    global CORE
+    CORE = CORES[request.param]
+    yield CORE
+    CORE = H2ServerCore
+
+
+CORE = H2ServerCore
 
 REQUEST = [(":method", "POST"), (":path", "/v1/messages"), (":scheme", "http"), (":authority", "node")]
 
@@ -48,7 +63,7 @@ class Pair:
             self.body_seen_at_gate.append(self.core.discarded_body_bytes)
             return self.verdict(head)
 
-        self.core = H2ServerCore(gate, limits or Limits(), on_limit=self.limit_hits.append, clock=self.clock)
+        self.core = CORE(gate, limits or Limits(), on_limit=self.limit_hits.append, clock=self.clock)
         self.client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.client.initiate_connection()
         self.client_events: list[h2.events.Event] = []
@@ -345,7 +360,7 @@ def test_drain_deadline_close_sends_goaway_naming_the_last_stream_taken():
 
 @pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\n\r\n", b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n"])
 def test_bad_preface_ends_the_connection(garbage: bytes):
-    core = H2ServerCore(lambda head: Accept(0), Limits())
+    core = CORE(lambda head: Accept(0), Limits())
     core.data_to_send()
     events = core.receive(garbage)
     assert any(isinstance(e, ConnectionEnded) for e in events) and core.ended
@@ -364,3 +379,30 @@ def test_window_updates_that_answer_our_data_are_not_a_flood():
                 p.client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         p.send()
     assert p.limit_hits == [] and not p.core.ended
+
+
+def test_server_core_config_field_picks_the_core():
+    import pathlib
+
+    from zerolayer.runtime.config import parse_config
+    from zerolayer.runtime.errors import ConfigError
+    from zerolayer.runtime.serving.transport import h2_core_class
+
+    assert parse_config({}, pathlib.Path(".")).server_core == "python"
+    assert parse_config({"server": {"core": "native"}}, pathlib.Path(".")).server_core == "native"
+    assert h2_core_class("python") is H2ServerCore and h2_core_class("native") is NativeH2ServerCore
+    with pytest.raises(ConfigError, match="server.core"):
+        parse_config({"server": {"core": "rust"}}, pathlib.Path("."))
+
+
+def test_window_overflow_on_a_stream_whose_answer_has_ended_is_a_flow_control_error():
+    """h2spec 6.9.1/3 when the gate's refusal left before the WINDOW_UPDATEs came (RFC 9113 §6.9.1)."""
+    p = Pair(verdict=lambda head: Reject(401, [], b"no"))
+    p.client.send_headers(1, REQUEST)  # the body never comes: the stream stays open on the client's side
+    p.send()
+    assert any(isinstance(e, h2.events.StreamEnded) for e in p.back())  # the answer is complete
+    p.send(b"".join(WindowUpdateFrame(1, window_increment=2**31 - 1).serialize() for _ in range(2)))
+    frames = raw_frames(p.core.data_to_send())
+    resets = [f for f in frames if isinstance(f, RstStreamFrame)]
+    assert [(f.stream_id, f.error_code) for f in resets] == [(1, 0x3)]  # FLOW_CONTROL_ERROR
+    assert not p.core.is_open(1) and not p.core.ended

@@ -68,6 +68,15 @@ def sniff_protocol(first: bytes) -> str | None:
     return None
 
 
+def h2_core_class(name: str) -> type:
+    """The HTTP/2 core ``server.core`` names: the Python core, or the compiled one (imported only then)."""
+    if name == "native":
+        from zerolayer.runtime.protocol.h2native import NativeH2ServerCore
+
+        return NativeH2ServerCore
+    return H2ServerCore
+
+
 class StreamGone(ConnectionError):
     """The stream or its connection closed while a response was being written."""
 
@@ -131,6 +140,8 @@ class ConnectionContext:
     metrics: RuntimeMetrics
     draining: Callable[[], bool] = lambda: False
     connections: set["Connection"] = dataclasses.field(default_factory=set)
+    # ``server.core``: which HTTP/2 core serves h2 connections, "python" (h2conn) or "native" (h2native).
+    server_core: str = "python"
 
 
 def peer_address(transport: asyncio.BaseTransport) -> str:
@@ -278,7 +289,7 @@ class Connection(asyncio.Protocol):
         def on_limit(name: str) -> None:
             self.context.metrics.limit_hits.labels(name).inc()
 
-        cls = H2ServerCore if version == "2" else H1ServerCore
+        cls = h2_core_class(self.context.server_core) if version == "2" else H1ServerCore
         self.core = cls(gate, self.limits, on_limit=on_limit, budget=self.context.body_budget)
         self.context.metrics.connections.labels("h2" if version == "2" else "http/1.1").inc()
         if self.context.draining():
@@ -444,7 +455,7 @@ class Connection(asyncio.Protocol):
                 self.close()
                 return
             if idle >= limits.ping_interval_s and now - last_ping >= limits.ping_interval_s \
-                    and isinstance(core, H2ServerCore):
+                    and core.http_version == "2":  # either HTTP/2 core (server.core)
                 core.ping()
                 last_ping = now
                 self.context.metrics.pings.inc()
