@@ -17,8 +17,9 @@ UPPER = ("zerolayer.runtime.serving.server", "zerolayer.runtime.serving.app", "z
 
 ALLOWED_ONLY = {
     # package -> the only zerolayer modules it may import
+    # zerolayer_h2core: the protocol layer's own compiled half (native/h2core, protocol/h2native.py)
     "protocol": ("zerolayer.contract", "zerolayer.runtime.protocol", "zerolayer.runtime.limits",
-                 "zerolayer.runtime.errors"),
+                 "zerolayer.runtime.errors", "zerolayer_h2core"),
     # zerolayer.prefix is core and imports nothing of ours: engines record the prefixes they served;
     # zerolayer.engine_prefixes (imports only zerolayer.prefix): or the prefixes vLLM's KV events say it holds.
     "engine": ("zerolayer.runtime.engine", "zerolayer.runtime.errors", "zerolayer.prefix",
