@@ -24,7 +24,7 @@ from zerolayer.runtime.engine.base import (
 from zerolayer.runtime.errors import RequestRefused
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class ChatRequest:
     """A parsed request of any of the three APIs. ``prompts`` are set (and ``messages`` empty) for a
     ``/v1/completions`` request: each a text tokenized without a template, or token ids; the answer

@@ -106,7 +106,7 @@ class StructuredOutput:
     schema: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see Delta)
 class SamplingOptions:
     """What the engine must honour for one request; an engine that cannot honour a field that is set
     (not at its default) raises :class:`InputRejected` naming it, never ignores it.
