@@ -14,6 +14,9 @@ from zerolayer import models as model_layout
 from zerolayer.operator.manifests import AUDIT_METRICS_PORT
 
 PRIORITIES = ("high", "normal", "low")
+# spec.runtime.serverCore: the runtime's HTTP/2 core (its server.core; docs/server-core.md). Kept here,
+# not imported from the runtime, so the operator does not load the runtime's config module.
+SERVER_CORES = ("python", "native")
 
 
 def inference_node_problems(spec: Mapping[str, Any]) -> list[str]:
@@ -38,6 +41,9 @@ def inference_node_problems(spec: Mapping[str, Any]) -> list[str]:
         problems.append("scheduler.resumeThreshold must be below scheduler.memoryThreshold")
     if normal is not None and memory is not None and normal < memory:
         problems.append("scheduler.normalThreshold must be at or above scheduler.memoryThreshold")
+    core = (spec.get("runtime") or {}).get("serverCore", "python")
+    if core not in SERVER_CORES:
+        problems.append(f"spec.runtime.serverCore must be one of {', '.join(SERVER_CORES)}, got {core!r}")
     port = (spec.get("runtime") or {}).get("port")
     if port == AUDIT_METRICS_PORT and (spec.get("audit") or {}).get("enabled", True):
         problems.append(f"runtime.port {port} is the auditor's metrics port in the same pod; choose another")

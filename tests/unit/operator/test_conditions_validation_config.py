@@ -39,6 +39,8 @@ def test_merge_is_idempotent_and_keeps_order():
      "resumeThreshold must be below"),
     ({"nodeName": "n", "models": [{"name": "a"}], "gossip": {"heartbeatSeconds": 30, "staleAfterSeconds": 10}},
      "must exceed"),
+    ({"nodeName": "n", "models": [{"name": "a"}], "runtime": {"serverCore": "rust"}},
+     "spec.runtime.serverCore must be one of python, native, got 'rust'"),
 ])
 def test_inference_node_problems(spec, fragment):
     assert any(fragment in p for p in validation.inference_node_problems(spec))
@@ -46,6 +48,9 @@ def test_inference_node_problems(spec, fragment):
 
 def test_valid_specs_have_no_problems():
     assert validation.inference_node_problems({"nodeName": "n", "models": [{"name": "a"}, {"name": "b"}]}) == []
+    for core in ("python", "native"):
+        assert validation.inference_node_problems({"nodeName": "n", "models": [{"name": "a"}],
+                                                   "runtime": {"serverCore": core}}) == []
     assert validation.tenant_quota_problems({"tenant": "t", "apiKeySecretRef": {"name": "s"}, "namespaces": ["a"],
                                              "tokensPerMinute": 1, "requestsPerMinute": 1}) == []
 

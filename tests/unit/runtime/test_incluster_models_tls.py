@@ -10,7 +10,7 @@ import ssl
 
 import pytest
 
-from zerolayer.operator import manifests
+from zerolayer.operator import manifests, validation
 from zerolayer.operator.config import OperatorConfig
 from zerolayer.runtime.node import incluster
 from zerolayer.runtime.config import build_server, parse_config
@@ -75,6 +75,30 @@ def test_tls_secret_name_gives_tls_config_and_the_server_an_h2_ssl_context(tmp_p
     assert plain.tls_cert is None and build_server(plain).ssl_context is None  # h2c: cleartext
 
 
+# --------------------------------------------------------------------------- the HTTP/2 core
+@pytest.mark.parametrize("core", ["python", "native"])
+def test_server_core_becomes_the_runtime_configs_server_core(core, monkeypatch):
+    import sys
+    import types
+
+    from zerolayer.runtime import config as runtime_config
+
+    # parse_config checks the compiled core imports; this test is about the mapping, not the build.
+    monkeypatch.setitem(sys.modules, "zerolayer_h2core", sys.modules.get("zerolayer_h2core")
+                        or types.ModuleType("zerolayer_h2core"))
+    node = inode([{"name": "synthetic", "source": "/m"}], runtime={"engine": "synthetic", "serverCore": core})
+    mapping = config_from_inferencenode(node)
+    assert mapping["server"] == {"core": core}
+    assert parse_config(mapping, pathlib.Path.cwd()).server_core == core
+    assert runtime_config.SERVER_CORES == validation.SERVER_CORES  # the operator validates what the runtime takes
+
+
+def test_without_server_core_the_base_configs_stays():
+    node = inode([{"name": "synthetic", "source": "/m"}], runtime={"engine": "synthetic"})
+    assert "server" not in config_from_inferencenode(node)
+    assert config_from_inferencenode(node, {"server": {"core": "native"}})["server"] == {"core": "native"}
+
+
 # --------------------------------------------------------------------------- restart vs roll
 BASE = {"models": [{"name": "tiny", "source": {"hostPath": {"path": "/srv/tiny"}}}],
         "runtime": {"port": 8443}, "scheduler": {"memoryThreshold": 0.92, "resumeThreshold": 0.88}}
@@ -86,6 +110,7 @@ EDITS = {
     "engine": ("runtime", {"port": 8443, "engine": "synthetic"}),
     "kv cache": ("runtime", {"port": 8443, "kvCacheBytes": 1 << 28}),
     "drain": ("runtime", {"port": 8443, "drainSeconds": 5}),
+    "server core": ("runtime", {"port": 8443, "serverCore": "native"}),
     "sampling": ("scheduler", {**BASE["scheduler"], "sampleIntervalMs": 50}),
     "shedding marks (live)": ("scheduler", {"memoryThreshold": 0.8, "resumeThreshold": 0.7}),
     "gossip (live)": ("gossip", {"heartbeatSeconds": 2}),

@@ -64,7 +64,8 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     and LoRA adapters are loaded from where the operator mounts their sources
     (:func:`zerolayer.models.container_path`). The scheduler's thresholds map onto its shedding
     marks; ``sampleIntervalMs`` onto the telemetry period. ``tlsSecretName`` turns on TLS with the
-    certificate the operator mounts at :data:`TLS_DIR` (the probes then use HTTPS).
+    certificate the operator mounts at :data:`TLS_DIR` (the probes then use HTTPS). ``serverCore``
+    becomes ``server.core``: which HTTP/2 core serves (``python`` or ``native``, the compiled one).
     """
     spec = inode.get("spec") or {}
     config: dict[str, Any] = {k: v for k, v in (base or {}).items()}
@@ -101,6 +102,8 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     config["listen"] = listen
     if runtime.get("tlsSecretName"):
         config["tls"] = {"cert": f"{TLS_DIR}/tls.crt", "key": f"{TLS_DIR}/tls.key"}
+    if "serverCore" in runtime:  # the HTTP/2 core (server.core; docs/server-core.md); else the base's, python
+        config["server"] = {**(config.get("server") or {}), "core": runtime["serverCore"]}
     scheduler = spec.get("scheduler") or {}
     config["scheduler"] = scheduler_marks(scheduler, config.get("scheduler") or {})
     if "sampleIntervalMs" in scheduler:
@@ -571,7 +574,7 @@ class _SyncMetrics:
 # What a running runtime can take from an edited InferenceNode without a restart, and what not.
 # LoRA adapters (an engine's ``loras``) are live too: they are compared apart (:func:`wanted_adapters`).
 LIVE_KEYS = ("scheduler", "loras")
-RESTART_KEYS = ("engine", "engines", "gpu", "listen", "tls", "telemetry", "limits")
+RESTART_KEYS = ("engine", "engines", "gpu", "listen", "tls", "server", "telemetry", "limits")
 
 
 def _engines(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
