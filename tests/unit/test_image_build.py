@@ -28,6 +28,10 @@ def project(tmp_path: pathlib.Path) -> pathlib.Path:
     )
     (repo / "setup.py").write_text("from setuptools import setup\nsetup()\n")
     (repo / "README.md").write_text("readme\n")
+    (repo / "native" / "h2core" / "src").mkdir(parents=True)
+    (repo / "native" / "h2core" / "Cargo.toml").write_text('[package]\nname = "zerolayer_h2core"\n')
+    (repo / "native" / "h2core" / "pyproject.toml").write_text('[project]\nname = "zerolayer-h2core"\n')
+    (repo / "native" / "h2core" / "src" / "lib.rs").write_text("// core\n")
     return repo
 
 
@@ -233,3 +237,66 @@ def test_snapshot_has_the_same_key_as_the_checkout(project: pathlib.Path, tmp_pa
     snapshot = image.snapshot_sources(project, tmp_path / "snap")
     assert image.inputs(snapshot).keys() == image.inputs(project).keys()
     assert not (snapshot / "runtime" / "__pycache__").exists()
+
+
+# --------------------------------------------------------------------------- the native HTTP/2 core
+def test_the_native_core_sources_key_the_app_layer_and_its_build_tree_does_not(project: pathlib.Path) -> None:
+    files = {str(f) for f in image.source_files(project)}
+    assert {"native/h2core/Cargo.toml", "native/h2core/pyproject.toml", "native/h2core/src/lib.rs"} <= files
+    before = image.inputs(project).keys()
+    target = project / "native" / "h2core" / "target" / "release"
+    target.mkdir(parents=True)
+    (target / "libzerolayer_h2core.so").write_bytes(b"\0")
+    (target / "build.log").write_text("cargo output\n")  # not a .so: skipped because it is under target/
+    assert image.inputs(project).keys() == before
+    (project / "native" / "h2core" / "src" / "lib.rs").write_text("// core, edited\n")
+    after = image.inputs(project).keys()
+    assert after["app"] != before["app"] and (after["base"], after["engine"]) == (before["base"], before["engine"])
+
+
+def test_the_real_checkout_keys_the_native_core_without_its_target_dir() -> None:
+    files = [str(f) for f in image.source_files(image.repo_root())]
+    assert "native/h2core/Cargo.toml" in files and "native/h2core/src/lib.rs" in files
+    assert not [f for f in files if f.startswith("native/h2core/target/")]
+
+
+def test_the_app_layer_installs_the_project_wheel_and_the_native_core_wheel(
+        project: pathlib.Path, tmp_path: pathlib.Path, cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = []
+
+    def fake_run(cmd, log, **kwargs):
+        commands.append((cmd, kwargs))
+        if "wheel" in cmd:  # what pip wheel would write: the project's, then the native core's
+            dist = pathlib.Path(cmd[cmd.index("-w") + 1])
+            dist.mkdir(parents=True, exist_ok=True)
+            name = ("zerolayer_h2core-0.1.0-cp311-cp311-linux_x86_64.whl" if cmd[-1].endswith("native/h2core")
+                    else "zerolayer-9.8.7-cp311-cp311-linux_x86_64.whl")
+            (dist / name).write_bytes(b"PK")
+        elif "install" in cmd:
+            site = pathlib.Path(cmd[cmd.index("--target") + 1])
+            (site / "bin").mkdir(parents=True)
+            (site / "bin" / "zerolayer").write_text("#!/x/python3\n")
+        return ""
+
+    monkeypatch.setattr(image, "_run", fake_run)
+    work = tmp_path / "work"
+    image._build_app(work, project, image.inputs(project), lambda _: None)
+    wheels = [cmd for cmd, _ in commands if "wheel" in cmd]
+    assert [cmd[-1] for cmd in wheels] == [str(project), str(project / "native" / "h2core")]
+    assert "--no-deps" in wheels[1]
+    # cargo's build tree lives in the cache, not in the snapshot: an app rebuild recompiles only what changed.
+    assert commands[1][1]["env"]["CARGO_TARGET_DIR"] == str(cache / "cargo-target")
+    (install,) = [cmd for cmd, _ in commands if "install" in cmd]
+    installed = [pathlib.Path(arg).name for arg in install if arg.endswith(".whl")]
+    assert installed == ["zerolayer-9.8.7-cp311-cp311-linux_x86_64.whl",
+                         "zerolayer_h2core-0.1.0-cp311-cp311-linux_x86_64.whl"]
+    assert (work / "layer" / "usr/local/bin/zerolayer").is_file()
+
+
+def test_refuses_without_cargo_and_says_what_to_install(project: pathlib.Path, cache: pathlib.Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(image.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(image.shutil, "which", lambda tool: None if tool == "cargo" else f"/usr/bin/{tool}")
+    with pytest.raises(image.ImageError, match="missing cargo.*native/h2core.*rustup.*apt-get install -y cargo"):
+        image.ensure_image(project, log=lambda _: None)
+    assert not cache.exists()  # refused before any work

@@ -16,8 +16,10 @@ same inputs returns at once. The image is three layers, each cached on its own:
   operator and bpf dependencies, installed with ``pip --target`` into
   ``/usr/local/lib/python3.11/dist-packages``; keyed by the base key, the engine pins and the
   dependency list in ``pyproject.toml``.
-- ``app``: the project's wheel (``pip wheel --no-deps``, with the USDT probe extension) and
-  the ``zerolayer`` entry point; keyed by a hash of the project's sources.
+- ``app``: the project's wheel (``pip wheel --no-deps``, with the USDT probe extension), the
+  wheels of the compiled cores under ``native/`` (``zerolayer_h2core``, the native HTTP/2 server
+  core that ``server.core: native`` selects; built by maturin with cargo) and the ``zerolayer``
+  entry point; keyed by a hash of the project's sources, ``native/`` included.
 
 So an edit to the sources rebuilds only the app layer. Layers are uncompressed tars: gzip
 would cost minutes on two cores for a few GB, and the archive never leaves the machine.
@@ -30,8 +32,8 @@ resolved from the wheelhouse (``pip install --dry-run --report``), :data:`DROPPE
 are left out of the resolution, and the rest installed with ``--no-deps``: the recipe of
 :mod:`zerolayer.runtime.node.install_engine`, which also drops torchvision/torchaudio/torchcodec.
 
-Needs root (mmdebstrap builds the rootfs with real ownership), ``mmdebstrap``, GNU ``tar`` and
-network access to the Debian mirror in the host's apt sources and to the package index pip
+Needs root (mmdebstrap builds the rootfs with real ownership), ``mmdebstrap``, GNU ``tar``, Rust's
+``cargo`` (the native core's wheel) and network access to the Debian mirror in the host's apt sources and to the package index pip
 uses. Downloaded wheels are kept in ``<cache>/images/wheels`` so a rebuild does not fetch
 them again.
 
@@ -45,6 +47,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -79,11 +82,15 @@ TORCH = "torch"
 DROPPED = re.compile(r"^(triton|torchvision|torchaudio|torchcodec)$")
 # What goes into the wheel; their hash keys the app layer. Everything else in the repo is not
 # in the image.
-SOURCE_DIRS = ("zerolayer", "operator", "runtime", "client", "bpf")
+# ``native/`` holds the compiled cores (PyO3 extensions built by maturin), each its own wheel in the
+# app layer; cargo's ``target/`` build trees under it are outputs, not sources.
+SOURCE_DIRS = ("zerolayer", "operator", "runtime", "client", "bpf", "native")
 SOURCE_FILES = ("pyproject.toml", "setup.py", "README.md")
-SOURCE_SKIP = re.compile(r"(__pycache__|\.pyc$|\.so$|\.egg-info)")
+SOURCE_SKIP = re.compile(r"(__pycache__|\.pyc$|\.so$|\.egg-info|^native/[^/]+/target/)")
+# The native wheels the app layer installs beside the project's: (project folder, wheel name prefix).
+NATIVE_WHEELS = (("native/h2core", "zerolayer_h2core-"),)
 # Bump when the recipe below changes in a way the inputs do not show.
-RECIPE = {"base": "1", "engine": "2", "app": "1"}
+RECIPE = {"base": "1", "engine": "2", "app": "2"}
 # GPU flavour only: triton's and FlashInfer's JIT caches default to $HOME, read-only in the pods.
 GPU_ENV = {"TRITON_HOME": "/tmp", "FLASHINFER_WORKSPACE_BASE": "/tmp"}
 ENV = {
@@ -233,6 +240,11 @@ def preflight() -> None:
     missing = [tool for tool in ("mmdebstrap", "tar") if shutil.which(tool) is None]
     if missing:
         raise ImageError(f"missing {', '.join(missing)} on PATH; on Debian: apt-get install -y mmdebstrap tar")
+    if shutil.which("cargo") is None:
+        raise ImageError("missing cargo on PATH: the image's app layer carries the native HTTP/2 core "
+                         "(native/h2core, a Rust extension built by maturin); install Rust with rustup "
+                         "(curl https://sh.rustup.rs -sSf | sh, then put ~/.cargo/bin on PATH) "
+                         "or on Debian: apt-get install -y cargo")
 
 
 def ensure_image(repo: pathlib.Path | None = None, flavour: str = "cpu",
@@ -435,15 +447,32 @@ def _retarget_shebang(script: pathlib.Path) -> None:
 
 # -- app: the project's wheel -----------------------------------------------------------------
 
-def _build_app(work: pathlib.Path, src: pathlib.Path, inp: Inputs, log: Callable[[str], None]) -> None:
-    # ``src`` is the snapshot the app key was computed from: the key and the wheel cannot
-    # disagree, and the build leaves nothing behind in a shared checkout.
-    dist = work / "dist"
+def app_wheels(src: pathlib.Path, dist: pathlib.Path, log: Callable[[str], None]) -> list[pathlib.Path]:
+    """Build the wheels the app layer installs into ``dist``: the project's and each of :data:`NATIVE_WHEELS`.
+
+    The native ones are built by maturin (``pip wheel --no-deps``), which runs cargo; cargo's build
+    tree is kept in ``<cache>/images/cargo-target`` so an app rebuild recompiles only what changed.
+    """
     _run([*_pip(), "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(dist), str(src)], log)
     (wheel,) = dist.glob("zerolayer-*.whl")
+    wheels = [wheel]
+    # With maturin here, build with it (no download); else pip fetches it into an isolated build env.
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("maturin") is not None else []
+    env = {**os.environ, "CARGO_TARGET_DIR": str(images_dir() / "cargo-target")}
+    for folder, prefix in NATIVE_WHEELS:
+        _run([*_pip(), "wheel", "--no-deps", *isolation, "--quiet", "-w", str(dist), str(src / folder)], log, env=env)
+        (native,) = dist.glob(f"{prefix}*.whl")
+        wheels.append(native)
+    return wheels
+
+
+def _build_app(work: pathlib.Path, src: pathlib.Path, inp: Inputs, log: Callable[[str], None]) -> None:
+    # ``src`` is the snapshot the app key was computed from: the key and the wheels cannot
+    # disagree, and the build leaves nothing behind in a shared checkout.
+    wheels = app_wheels(src, work / "dist", log)
     site = work / "site"
     _run([*_pip(), "install", "--no-deps", "--no-index", "--quiet", "--target", str(site),
-          str(wheel)], log)
+          *map(str, wheels)], log)
     _place(site, work / "layer")
 
 

@@ -136,6 +136,16 @@ def test_imports_everything_the_pod_needs_as_non_root(ref: str, containerd: str)
     assert words[words.index("vllm") + 1] == image.install_engine.VLLM.split("==")[1]
 
 
+def test_the_native_http2_core_is_in_the_image(ref: str, containerd: str) -> None:
+    """``server.core: native`` works in a pod: the compiled core imports and the config accepts it."""
+    out = run(containerd, ref, "native", "python3", "-c",
+              "import zerolayer_h2core; from zerolayer.runtime.protocol import h2native; "
+              "from zerolayer.runtime.config import parse_server_core; "
+              "print('core', parse_server_core({'core': 'native'}), zerolayer_h2core.__name__)")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "core native zerolayer_h2core" in out.stdout
+
+
 def test_entry_point_is_zerolayer(ref: str, containerd: str) -> None:
     out = run(containerd, ref, "entry", "zerolayer", "--help")
     assert out.returncode == 0, out.stdout + out.stderr
