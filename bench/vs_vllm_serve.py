@@ -9,6 +9,8 @@ vLLM's priority scheduling policy, which zerolayer always sets), same client, th
                with token/request/concurrency quotas checked on every request, two-stage
                admission by the micro-scheduler and token metering (``--audit-spool`` counters
                and the in-process journal);
+  zl-native    (``--native``) the same runtime with ``server.core: native``, the compiled server core
+               (native/h2core; docs/server-core.md), in a process of its own with its own engine;
   litellm      LiteLLM's proxy (master key auth) forwarding to the ``vllm serve`` above: the
                middle layer zerolayer replaces. LiteLLM lives in its own virtual environment
                (``--litellm``, default ``~/.cache/zerolayer/bench-venvs/litellm``) so it cannot
@@ -23,7 +25,7 @@ can be off by 2x). Client: ``vllm bench serve --backend openai-chat
 is the user+system time of each stack's whole process tree (API server and engine core; for
 LiteLLM, LiteLLM plus the vllm serve behind it) over the run ÷ completed requests.
 
-    python bench/vs_vllm_serve.py [--concurrency 1 4 16] [--prompts 64] [--rounds 3]
+    python bench/vs_vllm_serve.py [--concurrency 1 4 16] [--prompts 64] [--rounds 3] [--native] [--litellm '']
 """
 
 from __future__ import annotations
@@ -59,9 +61,10 @@ def vllm_serve_cmd(port: int) -> list[str]:
             "--scheduling-policy", "priority", "--disable-uvicorn-access-log"]
 
 
-def zerolayer_cmd(port: int, spool: str) -> tuple[list[str], str]:
+def zerolayer_cmd(port: int, spool: str, core: str = "python") -> tuple[list[str], str]:
     engine = {"kind": "vllm", "model_path": str(MODEL_DIR), "served_name": SERVED, **ENGINE}
-    config = benchlib.write_config(benchlib.runtime_config(port, engine))
+    extra = {"server": {"core": core}} if core != "python" else {}
+    config = benchlib.write_config(benchlib.runtime_config(port, engine, **extra))
     return benchlib.runtime_cmd(config, "--audit-spool", spool, "--audit-journal"), config
 
 
@@ -153,7 +156,8 @@ def first_token_metrics(result: dict) -> dict:
 
 
 @contextlib.contextmanager
-def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path) -> Iterator[dict[str, tuple[int, int, int | None]]]:
+def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path,
+           native: bool = False) -> Iterator[dict[str, tuple[int, int, int | None]]]:
     """Start every stack; yields name -> (port, pid to meter, second pid to meter or None)."""
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as spool:
         vport, zport = benchlib.free_port(), benchlib.free_port()
@@ -166,6 +170,14 @@ def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path) -> Iterator[di
                                                     log=logs / "zerolayer.log"))
         wait_ready(zport)
         found = {"vllm-serve": (vport, vproc.pid, None), "zerolayer": (zport, zproc.pid, None)}
+        if native:
+            nport = benchlib.free_port()
+            ncmd, nconfig = zerolayer_cmd(nport, spool, core="native")
+            stack.callback(os.unlink, nconfig)
+            nproc = stack.enter_context(benchlib.server(ncmd, nport, env={"BENCH_KEY": benchlib.KEY}, timeout=600,
+                                                        log=logs / "zl-native.log"))
+            wait_ready(nport)
+            found["zl-native"] = (nport, nproc.pid, None)
         if litellm_venv is not None:
             lport = benchlib.free_port()
             lconfig = litellm_config(vport)
@@ -210,24 +222,27 @@ def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
               "the stream is admitted and vLLM sends with the first token, so it flatters the runtime; not used below.",
               "", "ratios zerolayer / other (out tok/s: >1 = zerolayer faster; TTFT, TPOT, CPU/req: <1 = zerolayer "
                   "lower):",
-              f"{'conc':>4} {'against':<11} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+              f"{'conc':>4} {'stack / against':<22} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
               f"{'CPU/req':>9}"]
+    pairs = [(flavour, other) for flavour in ("zerolayer", "zl-native") for other in ("vllm-serve", "litellm")]
     for c, rows in results.items():
-        z = rows["zerolayer"]
-        for other in ("vllm-serve", "litellm"):
-            if other not in rows:
+        for flavour, other in pairs:
+            if flavour not in rows or other not in rows:
                 continue
-            o = rows[other]
-            lines.append(f"{c:>4} {other:<11} {benchlib.ratio(z['output_throughput'], o['output_throughput']):>9} "
+            z, o = rows[flavour], rows[other]
+            lines.append(f"{c:>4} {flavour + ' / ' + other:<22} "
+                         f"{benchlib.ratio(z['output_throughput'], o['output_throughput']):>9} "
                          f"{benchlib.ratio(z['p50_ttft_token_ms'], o['p50_ttft_token_ms']):>9} "
                          f"{benchlib.ratio(z['p99_ttft_token_ms'], o['p99_ttft_token_ms']):>9} "
                          f"{benchlib.ratio(z['p50_tpot_token_ms'], o['p50_tpot_token_ms']):>9} "
                          f"{benchlib.ratio(z['cpu_ms_per_req'], o['cpu_ms_per_req']):>9}")
-    lines += ["", "zerolayer / vllm-serve out tok/s in each round (the spread is the machine's noise):"]
+    lines += ["", "zerolayer (and zl-native) / vllm-serve out tok/s in each round (the spread is the machine's noise):"]
     for c, by_name in rounds.items():
-        per_round = [benchlib.ratio(z["output_throughput"], v["output_throughput"])
-                     for z, v in zip(by_name["zerolayer"], by_name["vllm-serve"])]
-        lines.append(f"  c={c}: {', '.join(per_round)}")
+        for flavour in ("zerolayer", "zl-native"):
+            if flavour in by_name:
+                per_round = [benchlib.ratio(z["output_throughput"], v["output_throughput"])
+                             for z, v in zip(by_name[flavour], by_name["vllm-serve"])]
+                lines.append(f"  c={c} {flavour}: {', '.join(per_round)}")
     lines += ["", "goals (issue 14): vs vllm-serve out tok/s >= 1.00x and TTFT <= 1.00x at every concurrency; "
                   "vs litellm out tok/s >= 1.50x and TTFT p99 <= 0.50x.",
               "", "client command (per point; the key in OPENAI_API_KEY):",
@@ -274,6 +289,8 @@ def main() -> int:
                         help="runs per concurrency and stack, interleaved; the tables show medians")
     parser.add_argument("--litellm", default=str(DEFAULT_LITELLM),
                         help="LiteLLM's virtual environment ('' to skip LiteLLM)")
+    parser.add_argument("--native", action="store_true",
+                        help="also run the runtime with server.core: native (the compiled core) as zl-native")
     parser.add_argument("--name", default="vs_vllm_serve")
     args = parser.parse_args()
     from zerolayer.runtime.node import tinymodel
@@ -283,7 +300,7 @@ def main() -> int:
     if venv is not None and not (venv / "bin" / "litellm").exists():
         parser.error(f"no LiteLLM in {venv}: python3 -m venv {venv} && {venv}/bin/pip install 'litellm[proxy]'")
     rounds: dict[int, dict[str, list[dict]]] = {}
-    with tempfile.TemporaryDirectory() as logs, stacks(venv, pathlib.Path(logs)) as found:
+    with tempfile.TemporaryDirectory() as logs, stacks(venv, pathlib.Path(logs), args.native) as found:
         try:
             for c in args.concurrency:
                 rounds[c] = {name: [] for name in found}
