@@ -1,4 +1,4 @@
-"""Fuzz the sans-IO HTTP/1.1 core (runtime/protocol/h1conn.py) with mutated and random request bytes.
+"""Fuzz the sans-IO HTTP/1.1 cores (runtime/protocol/h1conn.py on h11, h1native.py on llhttp) with mutated and random request bytes.
 
 Contract: ``receive`` never raises, whatever the bytes and however they are split. Everything the
 core writes parses as HTTP/1.1 responses; each is the application's answer (here 200) to a request
@@ -17,6 +17,7 @@ from tests.fuzz.seeds import reproducible
 from zerolayer.runtime.limits import BodyBudget, Limits
 from zerolayer.runtime.protocol.events import Accept, ConnectionEnded, Reject, RequestReady
 from zerolayer.runtime.protocol.h1conn import H1ServerCore
+from zerolayer.runtime.protocol.h1native import NativeH1ServerCore
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 
@@ -48,12 +49,13 @@ def mutated(draw):  # type: ignore[no-untyped-def]
 
 inputs = st.one_of(mutated(), st.binary(max_size=300), st.binary(max_size=40).map(lambda b: VALID[:60] + b))
 splits = st.lists(st.integers(1, 64), max_size=8)
+both_cores = pytest.mark.parametrize("core_cls", [H1ServerCore, NativeH1ServerCore], ids=["python", "native"])
 
 
-def drive(data: bytes, cuts: list[int]) -> tuple[list[int], H1ServerCore, bytes]:
+def drive(data: bytes, cuts: list[int], core_cls: type = H1ServerCore) -> tuple[list[int], H1ServerCore, bytes]:
     """Feed ``data`` in pieces; answer each ready request 200. Returns (statuses, core, written)."""
     budget = BodyBudget.from_limits(LIMITS)
-    core = H1ServerCore(lambda head: Reject(401, [("content-type", "application/json")], b'{"e":1}')
+    core = core_cls(lambda head: Reject(401, [("content-type", "application/json")], b'{"e":1}')
                         if head.headers.get("x-api-key") != "k" else Accept(64, "ctx", owner="acme"),
                         LIMITS, budget=budget)
     written = bytearray()
@@ -105,6 +107,7 @@ def parse_statuses(written: bytes) -> list[int]:
     return statuses
 
 
+@both_cores
 @reproducible
 @given(data=inputs, cuts=splits)
 @example(data=VALID + VALID, cuts=[])
@@ -113,8 +116,8 @@ def parse_statuses(written: bytes) -> list[int]:
 @example(data=b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", cuts=[])
 @example(data=VALID.replace(b"x-api-key: k", b"transfer-encoding:: chunked"), cuts=[])  # found: 501
 @example(data=b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", cuts=[])  # a TLS ClientHello on the cleartext port
-def test_http1_core_answers_every_request_200_or_4xx_and_never_raises(data, cuts):
-    statuses, core, written = drive(data, cuts)
+def test_http1_core_answers_every_request_200_or_4xx_and_never_raises(core_cls, data, cuts):
+    statuses, core, written = drive(data, cuts, core_cls)
     event(f"statuses {sorted(set(statuses))}")  # --hypothesis-show-statistics shows how inputs ended
     for status in statuses:
         if status == 501:

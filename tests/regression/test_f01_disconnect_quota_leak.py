@@ -13,10 +13,13 @@ from tests.regression.wire import H2Peer, chat_body, connect, h1_request, peer_c
 
 pytestmark = [pytest.mark.regression, pytest.mark.timeout(30)]
 LIMIT = 3
+CORES = pytest.mark.parametrize("core", ["python", "native"])  # server.core: the HTTP/1.1 core too
 
 
-async def test_http1_disconnects_mid_stream_settle_every_reservation():
+@CORES
+async def test_http1_disconnects_mid_stream_settle_every_reservation(core):
     server = await runtime(max_concurrent_streams=LIMIT)
+    server.context.server_core = core
     for n in range(LIMIT + 1):
         conn, sock = connect(server)
         conn.data_received(h1_request(chat_body()))

@@ -15,6 +15,7 @@ from tests.regression.wire import H2Peer, chat_body, connect, h1_request, limits
 from zerolayer.runtime.engine.synthetic import SyntheticEngine
 
 pytestmark = [pytest.mark.regression, pytest.mark.timeout(30)]
+CORES = pytest.mark.parametrize("core", ["python", "native"])  # server.core: the HTTP/1.1 core too
 
 
 def chatty() -> SyntheticEngine:
@@ -33,8 +34,10 @@ async def test_h2_stream_whose_peer_stops_reading_is_reset_and_settled():
     assert not sock.closing  # only the stream went, not the connection
 
 
-async def test_http1_response_whose_peer_stops_reading_is_closed_and_settled():
+@CORES
+async def test_http1_response_whose_peer_stops_reading_is_closed_and_settled(core):
     server = await runtime(engine=chatty(), limits=limits(write_timeout_s=0.3))
+    server.context.server_core = core
     conn, sock = connect(server, high_water=64 * 1024)
     conn.data_received(h1_request(chat_body(max_tokens=20_000)))
     await until(lambda: sock.paused)  # the socket buffer is full; the peer reads nothing

@@ -15,14 +15,17 @@ from tests.regression.wire import KEY, H2Peer, chat_body, connect, h1_request, r
 
 pytestmark = [pytest.mark.regression, pytest.mark.timeout(30)]
 BIG = "a" * 70_000
+CORES = pytest.mark.parametrize("core", ["python", "native"])  # server.core: the HTTP/1.1 core too
 
 
 def _status(written: bytes) -> int:
     return int(written.split(b" ", 2)[1])
 
 
-async def test_http1_70kb_header_in_one_write_is_431():
+@CORES
+async def test_http1_70kb_header_in_one_write_is_431(core):
     server = await runtime()
+    server.context.server_core = core
     conn, sock = connect(server)
     conn.data_received(h1_request(chat_body(stream=False, max_tokens=2), extra=[("x-padding", BIG)]))
     await until(lambda: b"\r\n\r\n" in sock.written)
@@ -30,8 +33,10 @@ async def test_http1_70kb_header_in_one_write_is_431():
     assert server.app.streams == {}
 
 
-async def test_http1_100kb_trailer_in_one_write_is_431():
+@CORES
+async def test_http1_100kb_trailer_in_one_write_is_431(core):
     server = await runtime()
+    server.context.server_core = core
     conn, sock = connect(server)
     body = chat_body(stream=False, max_tokens=2)
     head = (f"POST /v1/messages HTTP/1.1\r\nhost: node\r\ncontent-type: application/json\r\n"
@@ -44,8 +49,10 @@ async def test_http1_100kb_trailer_in_one_write_is_431():
     assert server.body_budget.total == 0
 
 
-async def test_http1_head_under_the_limit_is_served():
+@CORES
+async def test_http1_head_under_the_limit_is_served(core):
     server = await runtime()
+    server.context.server_core = core
     conn, sock = connect(server)
     conn.data_received(h1_request(chat_body(stream=False, max_tokens=2), extra=[("x-padding", "a" * 60_000)]))
     await until(lambda: b"\r\n\r\n" in sock.written)

@@ -44,7 +44,7 @@ class RuntimeConfig:
     reuse_port: bool = False  # listen.reuse_port: SO_REUSEPORT, several processes on one port
     engines: tuple[Mapping[str, Any], ...] = ()  # ``engines:``: one engine per base model (else ``engine`` alone)
     tracing: "TracingSettings | None" = None  # telemetry.tracing: OpenTelemetry spans over OTLP; None: off
-    server_core: str = "python"  # server.core: the HTTP/2 core, "python" (h2conn) or "native" (Rust h2)
+    server_core: str = "python"  # server.core: the protocol cores, "python" (h2conn, h1conn) or "native" (Rust h2, llhttp)
 
 
 @dataclasses.dataclass(frozen=True)

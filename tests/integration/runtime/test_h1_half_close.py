@@ -10,6 +10,7 @@ import pytest
 from runtime_helpers import start_runtime
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+CORES = pytest.mark.parametrize("core", ["python", "native"])  # server.core: the HTTP/1.1 core too
 
 
 async def _ask(port: int, path: str, half_close: bool) -> bytes:
@@ -23,8 +24,10 @@ async def _ask(port: int, path: str, half_close: bool) -> bytes:
     return answer
 
 
-async def test_half_closed_http10_probe_gets_its_answer():
+@CORES
+async def test_half_closed_http10_probe_gets_its_answer(core):
     async with start_runtime() as server:
+        server.context.server_core = core
         for _ in range(5):
             for path in ("/healthz", "/readyz"):
                 for half_close in (True, False):

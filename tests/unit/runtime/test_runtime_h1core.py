@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import h11
+import pytest
 
 from zerolayer.runtime.limits import Limits
+from zerolayer.runtime.protocol import h1conn
 from zerolayer.runtime.protocol.events import Accept, ConnectionEnded, Reject, RequestReady
-from zerolayer.runtime.protocol.h1conn import H1ServerCore
+from zerolayer.runtime.protocol.h1native import NativeH1ServerCore
+
+CORES = {"python": h1conn.H1ServerCore, "native": NativeH1ServerCore}
+
+
+@pytest.fixture(params=sorted(CORES), autouse=True)
+def core_cls(request):  # type: ignore[no-untyped-def]
+    """Every test runs against both cores: the tests construct ``H1ServerCore``, bound here."""
+    global H1ServerCore
+    H1ServerCore = CORES[request.param]
+    yield H1ServerCore
+    H1ServerCore = h1conn.H1ServerCore
+
+
+H1ServerCore = h1conn.H1ServerCore
 
 
 def request(body: bytes, path: str = "/v1/messages", extra: str = "") -> bytes:
@@ -128,3 +144,17 @@ def test_drain_of_an_idle_connection_ends_it_at_once():
     core = H1ServerCore(lambda head: Accept(100, "ctx"), Limits())
     core.start_drain()
     assert core.ended and core.data_to_send() == b""
+
+
+def test_a_head_still_incomplete_past_the_limit_gets_431_and_closes():
+    hits = []
+    core = H1ServerCore(lambda head: Accept(0), Limits(max_header_list_size=1024), on_limit=hits.append)
+    raw = b"GET /v1/models HTTP/1.1\r\nhost: node\r\nx-padding: " + b"a" * 3000
+    events = []
+    for at in range(0, len(raw), 100):
+        events += core.receive(raw[at:at + 100])
+        if core.ended:
+            break
+    assert any(isinstance(e, ConnectionEnded) for e in events) and core.ended
+    assert parse_responses(core.data_to_send())[0].status_code == 431
+    assert hits == ["max_header_list_size"]

@@ -77,6 +77,15 @@ def h2_core_class(name: str) -> type:
     return H2ServerCore
 
 
+def h1_core_class(name: str) -> type:
+    """The HTTP/1.1 core ``server.core`` names: h11's, or the compiled one on llhttp (httptools)."""
+    if name == "native":
+        from zerolayer.runtime.protocol.h1native import NativeH1ServerCore
+
+        return NativeH1ServerCore
+    return H1ServerCore
+
+
 class StreamGone(ConnectionError):
     """The stream or its connection closed while a response was being written."""
 
@@ -248,7 +257,7 @@ class Connection(asyncio.Protocol):
         self.flush()  # answers made at HEADERS time (refusals) and control frames leave now
 
     def eof_received(self) -> bool | None:
-        if self.core is not None and isinstance(self.core, H1ServerCore):
+        if self.core is not None and self.core.http_version == "1.1":  # either HTTP/1.1 core (server.core)
             self.flush()  # an answer made since the last flush (flush_soon) leaves before the close
             self._handle(self.core.receive(b""))
         return None
@@ -289,7 +298,8 @@ class Connection(asyncio.Protocol):
         def on_limit(name: str) -> None:
             self.context.metrics.limit_hits.labels(name).inc()
 
-        cls = h2_core_class(self.context.server_core) if version == "2" else H1ServerCore
+        name = self.context.server_core
+        cls = h2_core_class(name) if version == "2" else h1_core_class(name)
         self.core = cls(gate, self.limits, on_limit=on_limit, budget=self.context.body_budget)
         self.context.metrics.connections.labels("h2" if version == "2" else "http/1.1").inc()
         if self.context.draining():
