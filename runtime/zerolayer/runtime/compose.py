@@ -195,7 +195,7 @@ def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, 
         reuse_port=config.reuse_port if reuse_port is None else reuse_port,
         **wiring,
     )
-    server.context.server_core = config.server_core  # server.core: the HTTP/2 core each h2 connection gets
+    server.context.server_core = config.server_core  # server.core: the HTTP/2 and HTTP/1.1 cores connections get
     return Runtime(server, agent, probe, tracer=tracer)
 
 
