@@ -18,8 +18,7 @@ CORES = pytest.mark.parametrize("core", ["python", "native"])  # server.core: th
 
 @CORES
 async def test_http1_disconnects_mid_stream_settle_every_reservation(core):
-    server = await runtime(max_concurrent_streams=LIMIT)
-    server.context.server_core = core
+    server = await runtime(max_concurrent_streams=LIMIT, server_core=core)
     for n in range(LIMIT + 1):
         conn, sock = connect(server)
         conn.data_received(h1_request(chat_body()))

@@ -36,8 +36,7 @@ async def test_h2_stream_whose_peer_stops_reading_is_reset_and_settled():
 
 @CORES
 async def test_http1_response_whose_peer_stops_reading_is_closed_and_settled(core):
-    server = await runtime(engine=chatty(), limits=limits(write_timeout_s=0.3))
-    server.context.server_core = core
+    server = await runtime(engine=chatty(), limits=limits(write_timeout_s=0.3), server_core=core)
     conn, sock = connect(server, high_water=64 * 1024)
     conn.data_received(h1_request(chat_body(max_tokens=20_000)))
     await until(lambda: sock.paused)  # the socket buffer is full; the peer reads nothing

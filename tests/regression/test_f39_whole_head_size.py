@@ -24,8 +24,7 @@ def _status(written: bytes) -> int:
 
 @CORES
 async def test_http1_70kb_header_in_one_write_is_431(core):
-    server = await runtime()
-    server.context.server_core = core
+    server = await runtime(server_core=core)
     conn, sock = connect(server)
     conn.data_received(h1_request(chat_body(stream=False, max_tokens=2), extra=[("x-padding", BIG)]))
     await until(lambda: b"\r\n\r\n" in sock.written)
@@ -35,8 +34,7 @@ async def test_http1_70kb_header_in_one_write_is_431(core):
 
 @CORES
 async def test_http1_100kb_trailer_in_one_write_is_431(core):
-    server = await runtime()
-    server.context.server_core = core
+    server = await runtime(server_core=core)
     conn, sock = connect(server)
     body = chat_body(stream=False, max_tokens=2)
     head = (f"POST /v1/messages HTTP/1.1\r\nhost: node\r\ncontent-type: application/json\r\n"
@@ -51,8 +49,7 @@ async def test_http1_100kb_trailer_in_one_write_is_431(core):
 
 @CORES
 async def test_http1_head_under_the_limit_is_served(core):
-    server = await runtime()
-    server.context.server_core = core
+    server = await runtime(server_core=core)
     conn, sock = connect(server)
     conn.data_received(h1_request(chat_body(stream=False, max_tokens=2), extra=[("x-padding", "a" * 60_000)]))
     await until(lambda: b"\r\n\r\n" in sock.written)

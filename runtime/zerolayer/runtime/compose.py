@@ -193,9 +193,9 @@ def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, 
         required_headers=config.required_headers,
         metrics_on_serving_port=metrics_on_serving_port,
         reuse_port=config.reuse_port if reuse_port is None else reuse_port,
+        server_core=config.server_core,
         **wiring,
     )
-    server.context.server_core = config.server_core  # server.core: the HTTP/2 and HTTP/1.1 cores connections get
     return Runtime(server, agent, probe, tracer=tracer)
 
 

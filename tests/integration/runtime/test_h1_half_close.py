@@ -26,8 +26,7 @@ async def _ask(port: int, path: str, half_close: bool) -> bytes:
 
 @CORES
 async def test_half_closed_http10_probe_gets_its_answer(core):
-    async with start_runtime() as server:
-        server.context.server_core = core
+    async with start_runtime(server_core=core) as server:
         for _ in range(5):
             for path in ("/healthz", "/readyz"):
                 for half_close in (True, False):

@@ -33,8 +33,7 @@ async def test_h2spec_all_cases_pass(core: str):
         pytest.skip("h2spec is not built: `zerolayer cluster up` builds it into the control-plane cache")
     if core == "native":
         pytest.importorskip("zerolayer_h2core", reason="the native core is not built: pip install ./native/h2core")
-    async with start_runtime() as server:
-        server.context.server_core = core  # what server.core in the config sets (compose.py)
+    async with start_runtime(server_core=core) as server:  # what server.core in the config sets
         proc = await asyncio.create_subprocess_exec(
             binary, "-h", "127.0.0.1", "-p", str(server.port), "--timeout", "5",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

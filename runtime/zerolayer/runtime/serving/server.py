@@ -95,6 +95,7 @@ class RuntimeServer:
         required_headers: Sequence[str] = (),
         metrics_on_serving_port: bool = True,
         reuse_port: bool = False,
+        server_core: str = "python",
         token_sink: TokenSink | None = None,
         extra_metrics: Sequence[Callable[[], bytes]] = (),
         fleet: Callable[[], FleetMap | None] | None = None,
@@ -133,7 +134,8 @@ class RuntimeServer:
             app=self.app, limits=self.limits,
             peers=PeerLedger(self.limits),  # connection caps
             body_budget=BodyBudget.from_limits(self.limits),  # request bodies buffered, all connections
-            metrics=self.metrics, draining=lambda: self.draining)
+            metrics=self.metrics, draining=lambda: self.draining,
+            server_core=server_core)  # server.core: the protocol cores connections get
         self._servers: list[asyncio.base_events.Server] = []
         self._sampler: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()

@@ -149,7 +149,7 @@ class ConnectionContext:
     metrics: RuntimeMetrics
     draining: Callable[[], bool] = lambda: False
     connections: set["Connection"] = dataclasses.field(default_factory=set)
-    # ``server.core``: which HTTP/2 core serves h2 connections, "python" (h2conn) or "native" (h2native).
+    # ``server.core``: the protocol cores connections get, "python" (h2conn, h1conn) or "native" (h2native, h1native).
     server_core: str = "python"
 
 
