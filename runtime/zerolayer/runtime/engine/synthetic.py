@@ -182,15 +182,10 @@ class SyntheticEngine:
                     if step >= len(words):
                         continue
                     held[request_id] += 1
-                    word = words[step]
-                    if step == len(words) - 1:
-                        yield Delta(word, 1, finish, i, stop,
-                                    (self._logprob(word, logprobs),) if logprobs is not None else (),
-                                    (_token_id(word),))
-                    else:
-                        yield Delta(word, 1, None, i, None,
-                                    (self._logprob(word, logprobs),) if logprobs is not None else (),
-                                    (_token_id(word),))
+                    word, last = words[step], step == len(words) - 1
+                    yield Delta(word, 1, finish if last else None, i, stop if last else None,
+                                (self._logprob(word, logprobs),) if logprobs is not None else (),
+                                (_token_id(word),))
             for i, (words, finish, stop) in enumerate(outputs):
                 if not words:
                     yield Delta("", 0, finish, index=i, stop_sequence=stop)

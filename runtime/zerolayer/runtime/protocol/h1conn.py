@@ -67,10 +67,18 @@ class H1ServerCore(ServerCore):
         if self.ended:
             return []
         out: list[Event] = []
-        self._conn.receive_data(data)
+        self._feed(data)
         self._drain_events(out)
         self._track_head()
         return out
+
+    def _feed(self, data: bytes) -> None:
+        """Hand the peer's bytes to the parser (``b""``: its EOF)."""
+        self._conn.receive_data(data)
+
+    def _bytes_waiting(self) -> bool:
+        """Bytes of a next request are buffered without a complete head having been handed out."""
+        return bool(self._conn.trailing_data[0])
 
     def resume(self) -> list[Event]:
         """Process requests that arrived while the previous response was being sent."""
@@ -82,7 +90,7 @@ class H1ServerCore(ServerCore):
 
     def _track_head(self) -> None:
         """Start the header timeout when bytes of a next request wait without a complete head."""
-        if self._sid is None and not self.ended and self._conn.trailing_data[0]:
+        if self._sid is None and not self.ended and self._bytes_waiting():
             if self._head_since is None:
                 self._head_since = self.clock()
         else:

@@ -198,34 +198,16 @@ class NativeH1ServerCore(H1ServerCore):
         self._at = 0  # the next record to replay
 
     # ------------------------------------------------------------------ inbound
-    def receive(self, data: bytes) -> list[Event]:
-        if self.ended:
-            return []
-        out: list[Event] = []
+    def _feed(self, data: bytes) -> None:
         if data:
             self._rec.feed(data)
         else:
             self._rec.end()
-        self._pump(out)
-        self._track_head()
-        return out
 
-    def resume(self) -> list[Event]:
-        """Process requests that arrived while the previous response was being sent."""
-        out: list[Event] = []
-        if not self.ended and self._sid is None:
-            self._pump(out)
-            self._track_head()
-        return out
+    def _bytes_waiting(self) -> bool:
+        return self._rec.in_message or self._at < len(self._queue)
 
-    def _track_head(self) -> None:
-        if self._sid is None and not self.ended and (self._rec.in_message or self._at < len(self._queue)):
-            if self._head_since is None:
-                self._head_since = self.clock()
-        else:
-            self._head_since = None
-
-    def _pump(self, out: list[Event]) -> None:
+    def _drain_events(self, out: list[Event]) -> None:
         queue = self._queue
         while self._at < len(queue) and not self.ended:
             record = queue[self._at]
