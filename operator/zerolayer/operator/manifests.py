@@ -34,6 +34,7 @@ import urllib.parse
 from typing import Any, Mapping, Sequence
 
 from zerolayer import models as model_layout
+from zerolayer.operator import runtime_config as rc
 from zerolayer.operator.config import OperatorConfig
 
 GROUP = "zerolayer.io"
@@ -59,6 +60,12 @@ MODEL_LABEL_PREFIX = "model.zerolayer.io/"
 MODEL_SERVED = "served"
 # On the runtime pod template: hash of the spec the runtime's processes read once at start.
 CONFIG_HASH_ANNOTATION = "zerolayer.io/runtime-config-hash"
+# On the runtime pod template: the config file the runtime lays its InferenceNode over
+# (:func:`~.runtime_config.runtime_config`, server.api_processes), read by the server container
+# through a downward-API file at RUNTIME_CONFIG_FILE. Being on the template, a change rolls the pod.
+RUNTIME_CONFIG_ANNOTATION = "zerolayer.io/runtime-config"
+RUNTIME_CONFIG_MOUNT = "/etc/zerolayer/runtime"
+RUNTIME_CONFIG_FILE = f"{RUNTIME_CONFIG_MOUNT}/config.yaml"
 
 TLS_MOUNT = "/etc/zerolayer/tls"  # the tlsSecretName Secret (tls.crt, tls.key) in the server container
 SERVING_PORT_NAME = "serving"  # containerPort name; policies use it so per-node ports need no lookup
@@ -327,7 +334,10 @@ def runtime_config_hash(spec: Mapping[str, Any]) -> str:
     engine settings a template change, which the DaemonSet rolls out (old pod first, which
     drains on SIGTERM). Fields in :data:`LIVE_SPEC_FIELDS` are left out, and so are LoRA adapters the
     runtime loads live (:func:`_hashed_model`). Legacy string sources hash like their typed form, so
-    migrating an object does not roll its pod.
+    migrating an object does not roll its pod. ``spec.runtime.apiProcesses`` and ``spec.runtime.resources``
+    are in it, so a new number of API processes, explicit or following the CPU request, rolls the pod;
+    what the operator's own settings change (its default resources) reaches the template through the
+    rendered config (:data:`RUNTIME_CONFIG_ANNOTATION`) and the container's resources.
     """
     rest = copy.deepcopy(dict(spec))
     rest["models"] = [_hashed_model(m, rest) for m in rest.get("models") or () if isinstance(m, Mapping)]
@@ -550,10 +560,25 @@ def _probe(path: str, scheme: str, period: int, failures: int) -> dict:
     }
 
 
+def server_resources(spec: Mapping[str, Any], config: OperatorConfig) -> dict:
+    """The server container's requests and limits: the operator's ``runtime_resources`` (the chart's
+    ``runtime.resources``) overridden by ``spec.runtime.resources``, plus ``nvidia.com/gpu``."""
+    runtime = spec.get("runtime") or {}
+    return _merge_resources(config.runtime_resources, runtime.get("resources"), int(runtime.get("gpus", 1)))
+
+
+def runtime_config_text(spec: Mapping[str, Any], config: OperatorConfig) -> str:
+    """The runtime's config file for this spec (:data:`RUNTIME_CONFIG_ANNOTATION`): ``server.api_processes``
+    from ``spec.runtime.apiProcesses``, else from the server container's CPU request
+    (:func:`~.runtime_config.default_api_processes`)."""
+    return rc.runtime_config_text(spec.get("runtime"), server_resources(spec, config))
+
+
 def _server_container(inode: Mapping[str, Any], config: OperatorConfig, env: list[dict],
                       storage: ModelStorage) -> tuple[dict, list[dict]]:
     """The serving container (``spec.runtime.image``) and the volumes of the pod it needs: scratch,
-    the audit spool, shared memory, API access, the models and, with ``tlsSecretName``, its TLS pair."""
+    the audit spool, shared memory, API access, the config file the operator renders
+    (:data:`RUNTIME_CONFIG_ANNOTATION`), the models and, with ``tlsSecretName``, its TLS pair."""
     name, spec = inode["metadata"]["name"], inode.get("spec", {})
     runtime, audit = spec.get("runtime") or {}, spec.get("audit") or {}
     port = int(runtime.get("port") or config.runtime_port)
@@ -561,13 +586,19 @@ def _server_container(inode: Mapping[str, Any], config: OperatorConfig, env: lis
     tls = runtime.get("tlsSecretName")
     scheme = "HTTPS" if tls else "HTTP"
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "run", "mountPath": "/run/zerolayer"},
-              {"name": "dshm", "mountPath": "/dev/shm"}] + storage.server_mounts + [dict(API_ACCESS_MOUNT)]
+              {"name": "dshm", "mountPath": "/dev/shm"},
+              {"name": "runtime-config", "mountPath": RUNTIME_CONFIG_MOUNT, "readOnly": True}] \
+        + storage.server_mounts + [dict(API_ACCESS_MOUNT)]
     volumes: list[dict] = [
         {"name": "tmp", "emptyDir": {}},
         # The audit spool (journal segments, counters). The auditor deletes consumed segments; the limit
         # bounds what a stalled auditor can pile up on the node's disk (past it the kubelet evicts the pod).
         {"name": "run", "emptyDir": {"sizeLimit": AUDIT_SPOOL_LIMIT}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE_LIMIT}},
+        # The pod's own annotation as a file: no ConfigMap to write, and the file is what the template says.
+        {"name": "runtime-config", "downwardAPI": {"items": [
+            {"path": RUNTIME_CONFIG_FILE.rsplit("/", 1)[1],
+             "fieldRef": {"apiVersion": "v1", "fieldPath": f"metadata.annotations['{RUNTIME_CONFIG_ANNOTATION}']"}}]}},
         API_ACCESS_VOLUME,
     ] + storage.volumes
     if tls:
@@ -578,8 +609,9 @@ def _server_container(inode: Mapping[str, Any], config: OperatorConfig, env: lis
         "name": "server",
         "image": runtime.get("image") or config.runtime_image,
         "imagePullPolicy": runtime.get("imagePullPolicy") or config.runtime_image_pull_policy,
-        "args": ["runtime", f"--node-name={name}", f"--port={port}", f"--metrics-port={metrics_port}",
-                 f"--audit-spool={AUDIT_SPOOL}"]
+        # --in-cluster: the InferenceNode laid over the rendered config file (a --config alone would not read it).
+        "args": ["runtime", f"--node-name={name}", "--in-cluster", f"--config={RUNTIME_CONFIG_FILE}",
+                 f"--port={port}", f"--metrics-port={metrics_port}", f"--audit-spool={AUDIT_SPOOL}"]
         # auto falls back to the journal when BPF cannot run: the journal must then exist.
         + (["--audit-journal"] if audit.get("mode", "auto") in ("auto", "inprocess") else []),
         # The server only reads models from its mounts: never reach out to a hub.
@@ -590,7 +622,7 @@ def _server_container(inode: Mapping[str, Any], config: OperatorConfig, env: lis
         "startupProbe": _probe("/healthz", scheme, 10, 60),
         "readinessProbe": _probe("/readyz", scheme, 5, 2),
         "livenessProbe": _probe("/healthz", scheme, 10, 3),
-        "resources": _merge_resources(config.runtime_resources, runtime.get("resources"), int(runtime.get("gpus", 1))),
+        "resources": server_resources(spec, config),
         "securityContext": dict(_NON_ROOT),
         "volumeMounts": mounts,
     }
@@ -779,6 +811,7 @@ def build_daemonset(inode: Mapping[str, Any], config: OperatorConfig, node_gpus:
                     "labels": {**MANAGED_BY, **selector, **model_labels(base_model_names(spec))},
                     "annotations": {OWNER_NAME_ANNOTATION: f"InferenceNode/{name}",
                                     CONFIG_HASH_ANNOTATION: runtime_config_hash(spec),
+                                    RUNTIME_CONFIG_ANNOTATION: runtime_config_text(spec, config),
                                     AUDITOR_KERNEL_MODE_ANNOTATION: str(config.auditor_kernel_mode).lower()},
                 },
                 "spec": _runtime_pod_spec(inode, storage.init_containers, containers, volumes),

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from zerolayer import engine_args
 from zerolayer import models as model_layout
 from zerolayer.operator.manifests import AUDIT_METRICS_PORT
+from zerolayer.operator.runtime_config import api_processes_problem
 
 PRIORITIES = ("high", "normal", "low")
 # spec.runtime.serverCore: the runtime's HTTP/2 core (its server.core; docs/server-core.md). Kept here,
@@ -44,6 +45,9 @@ def inference_node_problems(spec: Mapping[str, Any]) -> list[str]:
     core = (spec.get("runtime") or {}).get("serverCore", "python")
     if core not in SERVER_CORES:
         problems.append(f"spec.runtime.serverCore must be one of {', '.join(SERVER_CORES)}, got {core!r}")
+    processes = api_processes_problem(spec.get("runtime"))  # spec.runtime.apiProcesses: 1..64 or unset
+    if processes:
+        problems.append(processes)
     port = (spec.get("runtime") or {}).get("port")
     if port == AUDIT_METRICS_PORT and (spec.get("audit") or {}).get("enabled", True):
         problems.append(f"runtime.port {port} is the auditor's metrics port in the same pod; choose another")

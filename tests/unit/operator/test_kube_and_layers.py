@@ -49,7 +49,7 @@ def test_layers():
     I/O; nothing imports the runtime; only the kube layer (kube.py and its parts) talks to Kubernetes; only
     handlers.py knows kopf."""
     kube_layer = {"kube", "kubehttp", "kubecache", "watchstream"}
-    pure = {"manifests", "conditions", "validation", "config", "errors", "plan"}
+    pure = {"manifests", "conditions", "validation", "config", "errors", "plan", "runtime_config"}
     for path in OPERATOR.glob("*.py"):
         imports = _imports(path)
         assert not any(i.startswith("zerolayer.runtime") for i in imports), path.name
