@@ -570,8 +570,8 @@ def server_resources(spec: Mapping[str, Any], config: OperatorConfig) -> dict:
 def runtime_config_text(spec: Mapping[str, Any], config: OperatorConfig) -> str:
     """The runtime's config file for this spec (:data:`RUNTIME_CONFIG_ANNOTATION`): ``server.api_processes``
     from ``spec.runtime.apiProcesses``, else from the server container's CPU request
-    (:func:`~.runtime_config.default_api_processes`)."""
-    return rc.runtime_config_text(spec.get("runtime"), server_resources(spec, config))
+    (:func:`~.runtime_config.api_processes`)."""
+    return rc.runtime_config_text(spec, server_resources(spec, config))
 
 
 def _server_container(inode: Mapping[str, Any], config: OperatorConfig, env: list[dict],

@@ -96,36 +96,52 @@ def default_api_processes(cpu_request: float | Fraction | None) -> int:
     return max(API_PROCESSES_MIN, min(DEFAULT_API_PROCESSES_CAP, math.floor(cpu_request / CORES_PER_API_PROCESS)))
 
 
-def api_processes_problem(runtime: Mapping[str, Any] | None) -> str | None:
-    """Why ``spec.runtime.apiProcesses`` is refused (not an integer, below 1 or above 64), or None.
-    Unset is fine: :func:`default_api_processes` then gives the number."""
-    runtime = runtime or {}
-    if "apiProcesses" not in runtime or runtime["apiProcesses"] is None:
+def several_engines(spec: Mapping[str, Any]) -> bool:
+    """Whether the runtime serves this spec with an ``engines:`` list, one vLLM engine per model
+    (``config_from_inferencenode``: several models on the vllm engine). Several API processes share one
+    engine core, so the runtime takes ``server.api_processes`` above 1 only with one ``engine:``."""
+    runtime = spec.get("runtime") or {}
+    models = [m for m in spec.get("models") or () if isinstance(m, Mapping)]
+    return runtime.get("engine", "vllm") != "synthetic" and len(models) > 1
+
+
+def api_processes_problem(spec: Mapping[str, Any]) -> str | None:
+    """Why ``spec.runtime.apiProcesses`` is refused, or None: not an integer from 1 to 64, or above 1 on
+    a node serving several models with vLLM (:func:`several_engines`; the runtime would refuse it at
+    start). Unset is fine: :func:`api_processes` then gives the number."""
+    runtime = spec.get("runtime") or {}
+    if runtime.get("apiProcesses") is None:
         return None
     value = runtime["apiProcesses"]
     if isinstance(value, bool) or not isinstance(value, int) or not API_PROCESSES_MIN <= value <= API_PROCESSES_MAX:
         return (f"{API_PROCESSES_FIELD} must be an integer from {API_PROCESSES_MIN} to {API_PROCESSES_MAX}, "
                 f"got {value!r}")
+    if value > 1 and several_engines(spec):
+        return (f"{API_PROCESSES_FIELD} {value}: several API processes share one engine core, and this node "
+                "serves several models with one vLLM engine each; give 1 or leave it unset")
     return None
 
 
-def api_processes(runtime: Mapping[str, Any] | None, resources: Mapping[str, Any] | None) -> int:
+def api_processes(spec: Mapping[str, Any], resources: Mapping[str, Any] | None) -> int:
     """The runtime's ``server.api_processes``: ``spec.runtime.apiProcesses`` when given, else
     :func:`default_api_processes` of the server container's CPU request (``resources``: the container's
-    merged requests and limits). A refused value (:func:`api_processes_problem`) never gets here: the
-    operator writes no pod for an InferenceNode with problems; should one, the default stands in."""
-    runtime = runtime or {}
-    if runtime.get("apiProcesses") is not None and api_processes_problem(runtime) is None:
+    merged requests and limits), or 1 where the node serves several vLLM engines (:func:`several_engines`).
+    A refused value (:func:`api_processes_problem`) never gets here: the operator writes no pod for an
+    InferenceNode with problems; should one, the default stands in."""
+    runtime = spec.get("runtime") or {}
+    if runtime.get("apiProcesses") is not None and api_processes_problem(spec) is None:
         return int(runtime["apiProcesses"])
+    if several_engines(spec):
+        return 1
     return default_api_processes(cpu_request_cores(resources))
 
 
-def runtime_config(runtime: Mapping[str, Any] | None, resources: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The config file the runtime lays its InferenceNode over: ``{"server": {"api_processes": N}}``."""
-    return {"server": {"api_processes": api_processes(runtime, resources)}}
+def runtime_config(spec: Mapping[str, Any], resources: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The config file the runtime lays its InferenceNode (``spec``) over: ``{"server": {"api_processes": N}}``."""
+    return {"server": {"api_processes": api_processes(spec, resources)}}
 
 
-def runtime_config_text(runtime: Mapping[str, Any] | None, resources: Mapping[str, Any] | None) -> str:
+def runtime_config_text(spec: Mapping[str, Any], resources: Mapping[str, Any] | None) -> str:
     """:func:`runtime_config` as the file's text: JSON, which is YAML (the runtime reads the file with
     ``yaml.safe_load``), with sorted keys so equal configs are equal text."""
-    return json.dumps(runtime_config(runtime, resources), sort_keys=True, separators=(",", ":"))
+    return json.dumps(runtime_config(spec, resources), sort_keys=True, separators=(",", ":"))

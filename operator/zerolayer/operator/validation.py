@@ -45,7 +45,7 @@ def inference_node_problems(spec: Mapping[str, Any]) -> list[str]:
     core = (spec.get("runtime") or {}).get("serverCore", "python")
     if core not in SERVER_CORES:
         problems.append(f"spec.runtime.serverCore must be one of {', '.join(SERVER_CORES)}, got {core!r}")
-    processes = api_processes_problem(spec.get("runtime"))  # spec.runtime.apiProcesses: 1..64 or unset
+    processes = api_processes_problem(spec)  # spec.runtime.apiProcesses: 1..64 (1 with several models) or unset
     if processes:
         problems.append(processes)
     port = (spec.get("runtime") or {}).get("port")

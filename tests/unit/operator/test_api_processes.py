@@ -100,11 +100,35 @@ def test_not_quantities(text):
         rc.parse_quantity(text)
 
 
+def two_models(**runtime):
+    body = inode(**runtime)
+    body["spec"]["models"] = [{"name": "a", "source": "/a"}, {"name": "b", "source": "/b"}]
+    return body
+
+
+def test_several_vllm_models_default_to_one_process_and_refuse_more():
+    """Several API processes share one engine core; the runtime serves several models with one vLLM
+    engine each (engines:), where it takes server.api_processes 1 only."""
+    assert rendered(two_models(**cpu("64"))) == {"server": {"api_processes": 1}}
+    assert validation.inference_node_problems(two_models(apiProcesses=1)["spec"]) == []
+    assert validation.inference_node_problems(two_models(**cpu("64"))["spec"]) == []
+    [problem] = validation.inference_node_problems(two_models(apiProcesses=2)["spec"])
+    assert problem.startswith("spec.runtime.apiProcesses 2: several API processes share one engine core")
+    # The synthetic engine serves every model from one engine.
+    assert rendered(two_models(engine="synthetic", **cpu("16"))) == {"server": {"api_processes": 4}}
+    assert validation.inference_node_problems(two_models(engine="synthetic", apiProcesses=4)["spec"]) == []
+    # One model with GPUs of its own is still one engine.
+    one = inode(**cpu("16"))
+    one["spec"]["models"][0]["gpus"] = 1
+    assert rendered(one) == {"server": {"api_processes": 4}}
+
+
 # --------------------------------------------------------------------------- rendering
 @pytest.mark.parametrize("processes", [1, 3, 12, 64])
 def test_an_explicit_number_is_rendered_whatever_the_cpu_request(processes):
     assert rendered(inode(apiProcesses=processes, **cpu("64"))) == {"server": {"api_processes": processes}}
-    assert rc.runtime_config({"apiProcesses": processes}, None) == {"server": {"api_processes": processes}}
+    assert rc.runtime_config({"runtime": {"apiProcesses": processes}}, None) == \
+        {"server": {"api_processes": processes}}
 
 
 def test_the_server_reads_the_rendered_file_laid_under_its_inference_node():
