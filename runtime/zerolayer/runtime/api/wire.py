@@ -76,7 +76,9 @@ class WireApi(Protocol):
 
     def stream_delta(self, frame: StreamFrame, delta: Delta, calls: Sequence[ToolCallPiece] = ()) -> bytes:
         """The SSE events for one engine delta of choice ``delta.index``: its text and logprobs, and
-        the tool-call pieces it completed (see :meth:`~zerolayer.runtime.api.common.Assembler.add`)."""
+        the tool-call pieces it completed (see :meth:`~zerolayer.runtime.api.common.Assembler.add`).
+        For a client that fell behind, ``delta`` may be several consecutive text deltas merged
+        (:func:`merge_deltas`); what it renders must then mean what their events together meant."""
         ...
 
     def stream_end(self, frame: StreamFrame, choices: Sequence[Choice], prompt_tokens: int,
@@ -93,6 +95,24 @@ class WireApi(Protocol):
     def error_json(self, code: ErrorCode, message: str, trace_id: str | None = None) -> bytes:
         """The JSON body of an error answered before response headers (``trace_id`` as in :meth:`stream_error`)."""
         ...
+
+
+def merge_deltas(first: Delta, then: Delta) -> Delta:
+    """One delta that says what ``first`` then ``then`` (the same choice, no tool-call pieces) say: text
+    and logprobs and token ids concatenated, token counts summed, the finish reason and stop string of
+    the last that has one, the cached-token count and scheduling time of the first that has one.
+
+    Every wire renders a stream delta from its text, logprobs and token count (the finish reason goes
+    out with :meth:`WireApi.stream_end`), so the merged delta's one event carries what the two events
+    carried: the session sends it when a client fell behind (docs/server-core.md).
+    """
+    assert first.index == then.index, (first.index, then.index)
+    return Delta(first.text + then.text, first.token_count + then.token_count,
+                 then.finish_reason or first.finish_reason, first.index,
+                 then.stop_sequence if then.finish_reason else first.stop_sequence,
+                 first.logprobs + then.logprobs, first.token_ids + then.token_ids,
+                 first.cached_tokens if first.cached_tokens is not None else then.cached_tokens,
+                 first.scheduled_at if first.scheduled_at is not None else then.scheduled_at)
 
 
 def error_response(wire: WireApi, refused: RequestRefused,

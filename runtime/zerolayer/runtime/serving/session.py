@@ -24,10 +24,10 @@ from typing import Any, Callable, Protocol
 from zerolayer.contract import ERRORS, ErrorCode, Priority
 from zerolayer.logformat import bind_request
 from zerolayer.runtime.api.common import Assembler, ChatRequest, render_prompt
-from zerolayer.runtime.api.wire import StreamFrame, WireApi
-from zerolayer.runtime.serving.channel import Channel, respond, send_error
+from zerolayer.runtime.api.wire import StreamFrame, WireApi, merge_deltas
+from zerolayer.runtime.serving.channel import Channel, backlogged, respond, send_error
 from zerolayer.runtime.serving.demand import DemandLedger
-from zerolayer.runtime.engine.base import Delta, Engine, InputRejected
+from zerolayer.runtime.engine.base import Delta, Engine, InputRejected, ToolCallPiece
 from zerolayer.runtime.errors import EngineError, RequestRefused
 from zerolayer.runtime.serving.gate import Admitted, Route, model_refusal, refusal
 from zerolayer.runtime.serving.headers import RequestContract
@@ -272,26 +272,63 @@ class StreamSession:
                      self.output_tokens, True)
 
     async def _stream(self, channel: Channel, frame: StreamFrame, deltas: Any, head: list[tuple[str, str]]) -> None:
+        """The SSE answer: one event per engine delta while the client keeps up; while it is behind
+        (:func:`~zerolayer.runtime.serving.channel.backlogged`), the deltas that come meanwhile are
+        held and merged (:class:`_Batcher`), and go out as one event once the channel can take them."""
         wire, model, rid = self.wire, frame.request.model, frame.request_id
         await channel.send_head(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache"), *head])
         self.table.metrics.count_request(self.route.name, 200)
         await channel.send(wire.stream_start(frame, self.prompt_tokens))
         sink = self.table.token_sink
         tenant = self.tenant.name
+        meter: Callable[[int], Any] | None = None
         if sink is not None:
             sink(tenant, rid, model, self.prompt_tokens, 0, True)
+
+            def meter_delta(tokens: int) -> Any:  # one call per engine delta, as before batching
+                return sink(tenant, rid, model, 0, tokens, False)
+
+            meter = meter_delta
+
         answer = Assembler(frame.request, self.engine.parse_tool_calls, self.engine.tool_call_stream)
-        async for delta in deltas:
-            if delta.token_count and not self.first_token_sent:
-                self._first_token(delta)
-            self.output_tokens += delta.token_count
-            sent = answer.add(delta)  # tool calls stream as they are found
-            if sent is not None:
-                piece = wire.stream_delta(frame, *sent)
-                if piece:
-                    await channel.send(piece)
-            if sink is not None and delta.token_count:
-                sink(tenant, rid, model, 0, delta.token_count, False)
+        batcher = _Batcher(channel, wire, frame, meter)
+        source = deltas.__aiter__()
+        upcoming: asyncio.Task[Delta | None] | None = None  # the engine's next delta while text is held
+        try:
+            while True:
+                if upcoming is None and not batcher.held:
+                    try:
+                        delta = await source.__anext__()  # the client keeps up: as it always was
+                    except StopAsyncIteration:
+                        break
+                else:
+                    # Text is held for a client that is behind: take the engine's next delta, but look
+                    # again every _RECHECK_S whether the channel can take the held text meanwhile.
+                    if upcoming is None:
+                        upcoming = asyncio.ensure_future(_next_delta(source))
+                    done, _ = await asyncio.wait((upcoming,), timeout=_RECHECK_S if batcher.held else None)
+                    if not done:
+                        if not backlogged(channel):
+                            await batcher.flush()
+                        continue
+                    task, upcoming = upcoming, None
+                    next_delta = task.result()
+                    if next_delta is None:
+                        break
+                    delta = next_delta
+                if delta.token_count and not self.first_token_sent:
+                    self._first_token(delta)
+                self.output_tokens += delta.token_count
+                # tool calls stream as they are found; metered per delta once what it adds was handed over
+                await batcher.put(answer.add(delta), delta.token_count)
+            await batcher.flush()
+        finally:
+            if upcoming is not None:
+                if upcoming.done():
+                    if not upcoming.cancelled():
+                        upcoming.exception()  # retrieved: the error that ends the stream is another one
+                else:
+                    upcoming.cancel()  # the engine's generator sees the cancel, as in `async for`
         await channel.end(wire.stream_end(frame, answer.choices(), self.prompt_tokens, self.output_tokens))
 
     # ------------------------------------------------------------------ ends
@@ -383,6 +420,110 @@ class StreamSession:
             self.table.metrics.preemptions.labels(code.value, reason).inc()
             self.settle()
         return True
+
+
+# While text is held for a client that fell behind, how long the session waits for the engine's next
+# delta before it looks again whether the channel can take the held text (an engine between tokens
+# must not keep text a client could now read). Only a stream holding text waits this way.
+_RECHECK_S = 0.005
+# Held text past this many characters is sent even while the client is behind: from there the
+# transport's own back-pressure (wait_writable, write_timeout_s) applies, as to any piece, and a peer
+# that stopped reading holds no more than this here.
+_HOLD_CHARS = 16384
+
+
+async def _next_delta(source: Any) -> Delta | None:
+    """The engine's next delta, None at its end."""
+    try:
+        return await source.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """One event waiting for a client that is behind: a delta (merged from several consecutive text
+    deltas of one choice) with the tool-call pieces it completed, and the token count of every engine
+    delta it stands for (metered one by one once it was handed over)."""
+
+    delta: Delta
+    calls: tuple[ToolCallPiece, ...]
+    tokens: list[int]
+
+
+class _Batcher:
+    """A stream's delta events, and whether they go out one per delta or merged.
+
+    While nothing is held and the channel is not :func:`backlogged`, :meth:`put` sends each delta's
+    event at once and then meters its tokens: byte for byte what the stream sent before batching
+    existed. Once the channel is backlogged (the previous piece has not left), deltas are held:
+    consecutive text deltas of one choice merge into one (:func:`merge_deltas`); a delta carrying
+    tool-call pieces is never merged and ends the merging of the text held before it, which goes out
+    first as its own event. :meth:`flush` sends what is held, in order, as one write (one event per
+    held item), then meters every delta it stands for, per delta.
+    """
+
+    __slots__ = ("channel", "wire", "frame", "meter", "held", "chars", "_open")
+
+    def __init__(self, channel: Channel, wire: WireApi, frame: StreamFrame,
+                 meter: Callable[[int], Any] | None) -> None:
+        self.channel = channel
+        self.wire = wire
+        self.frame = frame
+        self.meter = meter
+        self.held: list[_Held] = []
+        self.chars = 0  # text held, in characters
+        self._open: dict[int, _Held] = {}  # choice index -> its held item that later text merges into
+
+    async def put(self, sent: tuple[Delta, tuple[ToolCallPiece, ...]] | None, tokens: int) -> None:
+        """One engine delta: ``sent`` what :meth:`Assembler.add` made of it, ``tokens`` its token count."""
+        if not self.held and (sent is None or not backlogged(self.channel)):
+            if sent is not None:
+                piece = self.wire.stream_delta(self.frame, *sent)
+                if piece:
+                    await self.channel.send(piece)
+            if self.meter is not None and tokens:
+                self.meter(tokens)
+            return
+        self._hold(sent, tokens)
+        if self.chars >= _HOLD_CHARS or not backlogged(self.channel):
+            await self.flush()
+
+    def _hold(self, sent: tuple[Delta, tuple[ToolCallPiece, ...]] | None, tokens: int) -> None:
+        if sent is None:  # adds nothing to send: metered after what is held before it
+            if tokens:
+                self.held[-1].tokens.append(tokens)
+            return
+        delta, calls = sent
+        self.chars += len(delta.text)
+        if not calls:
+            item = self._open.get(delta.index)
+            if item is not None:
+                item.delta = merge_deltas(item.delta, delta)
+                if tokens:
+                    item.tokens.append(tokens)
+                return
+        item = _Held(delta, calls, [tokens] if tokens else [])
+        self.held.append(item)
+        if calls:
+            self._open.clear()  # text after a call's pieces is a new event
+        else:
+            self._open[delta.index] = item
+
+    async def flush(self) -> None:
+        """Send what is held (nothing: nothing happens), then meter it."""
+        if not self.held:
+            return
+        held, self.held, self.chars = self.held, [], 0
+        self._open.clear()
+        wire, frame = self.wire, self.frame
+        data = b"".join([wire.stream_delta(frame, item.delta, item.calls) for item in held])
+        if data:
+            await self.channel.send(data)
+        if self.meter is not None:
+            for item in held:
+                for tokens in item.tokens:
+                    self.meter(tokens)
 
 
 def _stopped(code: ErrorCode, reason: str) -> RequestRefused:
