@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--reuse-port", action="store_true",
                         help="set SO_REUSEPORT on the serving socket so several runtime processes share the port "
                              "(the kernel spreads connections between them); overrides listen.reuse_port")
+    parser.add_argument("--api-processes", type=int, default=None, metavar="N",
+                        help="serve the port from N API processes sharing one engine core and one admission view "
+                             "(docs/api-processes.md); overrides server.api_processes (default 1)")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
     parser.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("ZEROLAYER_LOG_FORMAT", "text"),
                         help="json: one object per line with the request's tenant, request id and trace id "
@@ -58,34 +61,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the runtime (:func:`zerolayer.runtime.compose.from_args`) and serve until SIGTERM/SIGINT."""
+    """Build the runtime (:func:`zerolayer.runtime.compose.from_args`) and serve until SIGTERM/SIGINT; with
+    ``server.api_processes`` > 1, supervise that many API processes (:mod:`zerolayer.runtime.apiprocs`)."""
     from zerolayer import logformat
 
     logformat.configure(args.log_level, args.log_format)
-    from zerolayer.runtime.compose import from_args
+    from zerolayer.runtime.compose import from_args, serve, settings_from_args
 
     try:
-        runtime = from_args(args)
+        settings = settings_from_args(args)
+        config = settings[0]
+        if config.api_processes > 1:
+            from zerolayer.runtime.apiprocs import supervise
+            from zerolayer.runtime.config import build_engine
+
+            return supervise(args, config.api_processes, str(config.engine.get("kind", "synthetic")),
+                             lambda: build_engine(config))
+        runtime = from_args(args, settings=settings)
     except RuntimeServerError as exc:
         print(f"zerolayer runtime: {exc}", file=sys.stderr)
         return 2
-    runner: Callable[[Coroutine[Any, Any, None]], None]
-    try:
-        import uvloop  # type: ignore[import-not-found]
-
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-
-    async def main() -> None:
-        async with runtime.serving() as server:
-            print(f"zerolayer runtime serving on {server.base_url} (engine: {server.engine.kind}, "
-                  f"models: {', '.join(server.engine.models)})", flush=True)
-            await server.serve_forever()
-
-    try:
-        runner(main())
-    except RuntimeServerError as exc:
-        print(f"zerolayer runtime: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return serve(runtime)

@@ -25,7 +25,8 @@ import contextlib
 import dataclasses
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping
+import sys
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 
 from zerolayer.runtime.errors import ConfigError, RuntimeServerError
 
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from zerolayer.runtime.node.incluster import KubeReader
     from zerolayer.runtime.serving.server import RuntimeServer
     from zerolayer.runtime.serving.tracing import OtlpTracer
+    from zerolayer.runtime.apiprocs import ApiProcess
+    from zerolayer.runtime.scheduler.api import Scheduler
 
 
 @dataclasses.dataclass
@@ -60,6 +63,8 @@ class Runtime:
     probe: "TokenProbe | None" = None
     cluster: InCluster | None = None
     metrics_port: int | None = None  # GET /metrics on a port of its own (serve_metrics)
+    metrics_socket: str | None = None  # one of several API processes: GET /metrics on this Unix socket (apiprocs.py)
+    claimant: str | None = None  # the name its fleet-quota claims go under; None: the node's
     tracer: "OtlpTracer | None" = None  # telemetry.tracing: flushed and stopped after the server drains
 
     @contextlib.asynccontextmanager
@@ -87,6 +92,9 @@ class Runtime:
             if self.metrics_port:
                 listener = await serve_metrics(server, self.metrics_port)
                 stops.append(lambda: _close_listener(listener))
+            if self.metrics_socket:
+                unix = await asyncio.start_unix_server(metrics_answer(server.app.render_metrics), self.metrics_socket)
+                stops.append(lambda: _close_listener(unix))
             if tenants is not None:
                 tenants.start()
                 stops.append(tenants.stop)
@@ -123,7 +131,7 @@ class Runtime:
         from zerolayer.runtime.scheduler import SchedulerConfig
 
         server = self.server
-        fleet_quota = attach_fleet_quota(server, cluster.reader, cluster.node)
+        fleet_quota = attach_fleet_quota(server, cluster.reader, self.claimant or cluster.node)
         fleet_quota.start()
 
         def apply_scheduler(marks: Mapping[str, Any]) -> None:
@@ -143,26 +151,21 @@ async def _close_listener(listener: asyncio.AbstractServer) -> None:
 
 def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, port: int | None = None,
             metrics_on_serving_port: bool = True, reuse_port: bool | None = None,
-            fleet_quota: bool = False, tenants_from_cluster: bool = False) -> Runtime:
+            fleet_quota: bool = False, tenants_from_cluster: bool = False, api: "ApiProcess | None" = None) -> Runtime:
     """Build the runtime ``config`` describes. With ``args`` (the ``zerolayer runtime`` flags) also the
     token probe and the node agent, wired into the server. ``port``/``reuse_port`` override the config.
-    ``tenants_from_cluster``: the tenants are read from the cluster, so ``/readyz`` waits for the first read."""
+    ``tenants_from_cluster``: the tenants are read from the cluster, so ``/readyz`` waits for the first read.
+    ``api``: this is API process *i* of N (:mod:`zerolayer.runtime.apiprocs`): the port is shared, the
+    quota ledger is the node's board, a vLLM engine is a client of the shared engine core, and only
+    process 0 gossips the node's map."""
     from zerolayer.runtime.config import build_engine, build_gpu_source
-    from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, SchedulerError
-    from zerolayer.runtime.scheduler.api import Scheduler
     from zerolayer.runtime.serving.server import RuntimeServer, tls_context
     from zerolayer.runtime.tenants import TenantDirectory
 
-    try:
-        micro = MicroScheduler(SchedulerConfig.from_mapping(config.scheduler))
-    except SchedulerError as exc:
-        raise ConfigError(f"scheduler: {exc}") from exc
-    scheduler: Scheduler = micro
-    if fleet_quota:  # in-cluster: a tenant's limits hold across the fleet (runtime/node/incluster.py attach_fleet_quota)
-        from zerolayer.runtime.scheduler.fleet import FleetQuotaScheduler
-
-        scheduler = FleetQuotaScheduler(micro, window_s=micro.config.quota_window_s)
-    engine = build_engine(config)
+    scheduler = build_scheduler(config, fleet_quota, api)
+    engine = build_engine(config, **(api.engine_wiring() if api is not None else {}))
+    if api is not None:
+        reuse_port = True
     ssl_context = tls_context(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key else None
     gpu_source = build_gpu_source(config, engine)
     wiring: dict[str, Any] = {}
@@ -175,7 +178,7 @@ def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, 
         from zerolayer.runtime.node.agent import NodeAgent
 
         probe = open_token_probe(args)  # USDT token events (+ counters, journal with --audit-spool)
-        agent = NodeAgent.from_args(args, gpu_source)
+        agent = NodeAgent.from_args(api.agent_args(args) if api is not None else args, gpu_source)
         gpu_source = agent.gpu_source or gpu_source
         wiring.update(token_sink=probe.emit, extra_metrics=agent.extra_metrics())
         if agent.node_name:  # alternatives on pressure refusals, GET /v1/zerolayer/map
@@ -199,6 +202,23 @@ def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, 
     return Runtime(server, agent, probe, tracer=tracer)
 
 
+def build_scheduler(config: "RuntimeConfig", fleet_quota: bool, api: "ApiProcess | None") -> "Scheduler":
+    """The micro-scheduler (with the node's quota board as its ledger for one of several API processes),
+    wrapped in the fleet-quota check in cluster (runtime/node/incluster.py attach_fleet_quota)."""
+    from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, SchedulerError
+
+    try:
+        scheduler_config = SchedulerConfig.from_mapping(config.scheduler)
+    except SchedulerError as exc:
+        raise ConfigError(f"scheduler: {exc}") from exc
+    micro = MicroScheduler(scheduler_config, ledger=api.ledger(scheduler_config) if api is not None else None)
+    if not fleet_quota:
+        return micro
+    from zerolayer.runtime.scheduler.fleet import FleetQuotaScheduler
+
+    return FleetQuotaScheduler(micro, window_s=micro.config.quota_window_s)
+
+
 def build_tracer(settings: Any) -> "OtlpTracer":
     """The OTLP span exporter ``telemetry.tracing`` asks for; a clear error without the ``tracing`` extra."""
     from zerolayer.runtime.serving.tracing import OtlpTracer
@@ -210,10 +230,27 @@ def build_tracer(settings: Any) -> "OtlpTracer":
                           f"({exc})") from exc
 
 
-def from_args(args: argparse.Namespace) -> Runtime:
-    """The runtime the ``zerolayer runtime`` flags describe: from ``--config``, or in cluster from this
-    node's InferenceNode (``--in-cluster``, or ``--node-name`` without ``--config``) laid over it.
-    Raises :class:`~zerolayer.runtime.errors.RuntimeServerError` (a ConfigError among them)."""
+def from_args(args: argparse.Namespace, api: "ApiProcess | None" = None,
+              settings: tuple["RuntimeConfig", InCluster | None] | None = None) -> Runtime:
+    """The runtime the ``zerolayer runtime`` flags describe (``settings``, else :func:`settings_from_args`);
+    ``api``: as API process *i* of N. Raises :class:`~zerolayer.runtime.errors.RuntimeServerError`."""
+    config, cluster = settings if settings is not None else settings_from_args(args)
+    runtime = compose(config, args, port=args.port, metrics_on_serving_port=not args.metrics_port,
+                      reuse_port=args.reuse_port or None, fleet_quota=cluster is not None,
+                      tenants_from_cluster=cluster is not None, api=api)
+    runtime.cluster = cluster
+    if api is None:
+        runtime.metrics_port = args.metrics_port
+    else:  # the parent answers the metrics port with every process's series (apiprocs.py)
+        runtime.metrics_socket = api.metrics_socket
+        runtime.claimant = api.claimant(cluster.node) if cluster is not None else None
+    return runtime
+
+
+def settings_from_args(args: argparse.Namespace) -> tuple["RuntimeConfig", InCluster | None]:
+    """The config the flags describe: from ``--config``, or in cluster from this node's InferenceNode
+    (``--in-cluster``, or ``--node-name`` without ``--config``) laid over it; ``--tls-*`` and
+    ``--api-processes`` laid over that."""
     from zerolayer.runtime.config import load_config, load_mapping, parse_config
 
     node = getattr(args, "node_name", None) or os.environ.get("ZEROLAYER_NODE_NAME")
@@ -237,12 +274,13 @@ def from_args(args: argparse.Namespace) -> Runtime:
     else:
         raise RuntimeServerError("give --config FILE, or --in-cluster / --node-name NODE")
     config = with_tls_flags(config, args.tls_cert, args.tls_key)
-    runtime = compose(config, args, port=args.port, metrics_on_serving_port=not args.metrics_port,
-                      reuse_port=args.reuse_port or None, fleet_quota=cluster is not None,
-                      tenants_from_cluster=cluster is not None)
-    runtime.cluster = cluster
-    runtime.metrics_port = args.metrics_port
-    return runtime
+    count = getattr(args, "api_processes", None)
+    if count is not None and count != config.api_processes:
+        from zerolayer.runtime.config import parse_api_processes
+
+        parse_api_processes({"api_processes": count}, config.engines, bool(config.engines))
+        config = dataclasses.replace(config, api_processes=count)
+    return config, cluster
 
 
 def with_tls_flags(config: "RuntimeConfig", cert: str | None, key: str | None) -> "RuntimeConfig":
@@ -259,8 +297,13 @@ async def serve_metrics(server: "RuntimeServer", port: int, host: str = "0.0.0.0
     nothing else, on the event loop (no thread reads engine state concurrently). HTTP/1.x, one
     request per connection."""
 
-    def render() -> bytes:  # the same series as /metrics on the serving port: scheduler, gossip, energy too
-        return server.app.render_metrics()
+    # the same series as /metrics on the serving port: scheduler, gossip, energy too
+    return await asyncio.start_server(metrics_answer(server.app.render_metrics), host, port, limit=16384)
+
+
+def metrics_answer(render: Callable[[], bytes]) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                                            Awaitable[None]]:
+    """A connection handler that answers ``GET /metrics`` with ``render()`` and anything else with 404."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -278,10 +321,34 @@ async def serve_metrics(server: "RuntimeServer", port: int, host: str = "0.0.0.0
         finally:
             writer.close()
 
-    return await asyncio.start_server(answer, host, port, limit=16384)
+    return answer
 
 
 def build_server(config: "RuntimeConfig", *, port: int | None = None,
                  metrics_on_serving_port: bool = True) -> "RuntimeServer":
     """The server alone (no probe, no node agent): tests and embedders."""
     return compose(config, port=port, metrics_on_serving_port=metrics_on_serving_port).server
+
+
+def serve(runtime: Runtime, label: str = "") -> int:
+    """Serve a built runtime until SIGTERM/SIGINT; the exit status (``label`` prefixes the start line)."""
+    runner: Callable[[Coroutine[Any, Any, None]], None]
+    try:
+        import uvloop  # type: ignore[import-not-found]
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+
+    async def main() -> None:
+        async with runtime.serving() as server:
+            print(f"{label}zerolayer runtime serving on {server.base_url} (engine: {server.engine.kind}, "
+                  f"models: {', '.join(server.engine.models)})", flush=True)
+            await server.serve_forever()
+
+    try:
+        runner(main())
+    except RuntimeServerError as exc:
+        print(f"zerolayer runtime: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -45,6 +45,7 @@ class RuntimeConfig:
     engines: tuple[Mapping[str, Any], ...] = ()  # ``engines:``: one engine per base model (else ``engine`` alone)
     tracing: "TracingSettings | None" = None  # telemetry.tracing: OpenTelemetry spans over OTLP; None: off
     server_core: str = "python"  # server.core: the protocol cores, "python" (h2conn, h1conn) or "native" (Rust h2, llhttp)
+    api_processes: int = 1  # server.api_processes: processes serving the port, sharing one engine core and one quota board
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +170,9 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
     interval_ms = telemetry.get("sample_interval_ms", 200)
     if not isinstance(interval_ms, (int, float)) or interval_ms <= 0:
         raise ConfigError("telemetry.sample_interval_ms: expected a positive number")
-    server_core = parse_server_core(_mapping(data.get("server"), "server"))
+    server = _mapping(data.get("server"), "server")
+    server_core = parse_server_core(server)
+    api_processes = parse_api_processes(server, engines, "engines" in data)
     return RuntimeConfig(
         host=str(listen.get("host", "127.0.0.1")),
         port=port,
@@ -187,6 +190,7 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         reuse_port=reuse_port,
         tracing=parse_tracing(telemetry.get("tracing")),
         server_core=server_core,
+        api_processes=api_processes,
     )
 
 
@@ -195,9 +199,9 @@ SERVER_CORES = ("python", "native")
 
 def parse_server_core(server: Mapping[str, Any]) -> str:
     """``server.core``: which HTTP/2 core serves h2 connections (docs/server-core.md, "The native core")."""
-    unknown = sorted(set(server) - {"core"})
+    unknown = sorted(set(server) - {"core", "api_processes"})
     if unknown:
-        raise ConfigError(f"server: unknown keys {', '.join(unknown)} (known: core)")
+        raise ConfigError(f"server: unknown keys {', '.join(unknown)} (known: core, api_processes)")
     core = server.get("core", "python")
     if core not in SERVER_CORES:
         raise ConfigError(f"server.core: one of {', '.join(SERVER_CORES)}, got {core!r}")
@@ -208,6 +212,21 @@ def parse_server_core(server: Mapping[str, Any]) -> str:
             raise ConfigError("server.core: native needs the compiled core: "
                               "run `python3 -m pip install ./native/h2core`") from exc
     return core
+
+
+MAX_API_PROCESSES = 64
+
+
+def parse_api_processes(server: Mapping[str, Any], engines: Sequence[Mapping[str, Any]], several: bool) -> int:
+    """``server.api_processes``: how many API processes serve the port (docs/api-processes.md), 1 by
+    default. Several share one vLLM engine core, so they serve one ``engine:``, not an ``engines:`` list."""
+    count = server.get("api_processes", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_API_PROCESSES:
+        raise ConfigError(f"server.api_processes: an integer from 1 to {MAX_API_PROCESSES}, got {count!r}")
+    if count > 1 and several:
+        raise ConfigError("server.api_processes > 1 serves one engine (one vLLM engine core shared by the API "
+                          "processes); this config lists engines: — use engine:, or one API process")
+    return count
 
 
 def parse_engines(data: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -396,16 +415,19 @@ def vllm_settings(spec: Mapping[str, Any], where: str = "engine"):  # type: igno
     return VllmSettings(**typed, engine_args=dict(extra or {}))
 
 
-def build_engine(config: RuntimeConfig):  # type: ignore[no-untyped-def]
-    """The engine ``engine:`` describes, or for ``engines:`` a :class:`ModelRouter` over one engine each."""
+def build_engine(config: RuntimeConfig, **shared: Any):  # type: ignore[no-untyped-def]
+    """The engine ``engine:`` describes, or for ``engines:`` a :class:`ModelRouter` over one engine each.
+    ``shared``: the ``core_client`` of one of several API processes (``engine/shared_core.py``),
+    for a vLLM engine."""
     if config.engines:
         from zerolayer.runtime.engine.router import ModelRouter
 
         return ModelRouter([_build_one(config, spec, f"engines[{i}]") for i, spec in enumerate(config.engines)])
-    return _build_one(config, config.engine, "engine")
+    return _build_one(config, config.engine, "engine", **shared)
 
 
-def _build_one(config: RuntimeConfig, engine: Mapping[str, Any], where: str):  # type: ignore[no-untyped-def]
+def _build_one(config: RuntimeConfig, engine: Mapping[str, Any], where: str,  # type: ignore[no-untyped-def]
+               **shared: Any):
     spec = dict(engine)
     kind = spec.pop("kind", "synthetic")
     digest = prefix_digest({**spec, "kind": kind}, where)  # checked at load too; a config may be built in code
@@ -435,7 +457,7 @@ def _build_one(config: RuntimeConfig, engine: Mapping[str, Any], where: str):  #
         tinymodel.generate(model_path)
     return VllmEngine(model_path, served_name=spec.get("served_name"), settings=settings,
                       tool_parser=spec.get("tool_parser"), loras=lora_adapters(spec, where),
-                      devices=engine_gpus(spec, where), prefix_digest=digest)
+                      devices=engine_gpus(spec, where), prefix_digest=digest, **shared)
 
 
 def build_gpu_source(config: RuntimeConfig, engine, *,  # type: ignore[no-untyped-def]

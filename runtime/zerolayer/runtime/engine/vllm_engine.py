@@ -17,7 +17,8 @@ import logging
 import os
 import subprocess
 import sys
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, ClassVar, Iterator, Mapping, Sequence, cast
+from typing import (TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, ClassVar, Iterator, Mapping,
+                    Sequence, cast)
 
 from zerolayer.engine_prefixes import EngineCachedPrefixes
 from zerolayer.prefix import ServedPrefixes
@@ -27,7 +28,11 @@ from zerolayer.runtime.engine.base import (
     ChatMessage, Delta, EngineStats, InputRejected, LoraStats, MemoryRelease, Prompt, SamplingOptions,
     TokenLogprob, ToolCall, ToolSpec, ToolUse, echo_deltas, renumbered)
 from zerolayer.runtime.engine.lora import AdapterSet, LoraAdapter
+from zerolayer.runtime.engine.shared_core import StatsBox
 from zerolayer.runtime.errors import ConfigError, EngineError
+
+if TYPE_CHECKING:
+    from zerolayer.runtime.engine.shared_core import CoreClient
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +368,7 @@ class VllmEngine:
     preallocates_gpu_memory = True
 
     def __init__(self, model_path: str, *, served_name: str | None = None, settings: VllmSettings | None = None,
-                 tool_parser: str | None = None, loras: Sequence[LoraAdapter] = (),
+                 tool_parser: str | None = None, loras: Sequence[LoraAdapter] = (), core_client: CoreClient | None = None,
                  devices: Sequence[int] | None = None, prefix_digest: str = "served", **knobs: Any) -> None:
         if settings is not None and knobs:
             raise TypeError("give settings or keyword settings, not both")
@@ -380,7 +385,8 @@ class VllmEngine:
         self._args = self.settings.vllm_args(model_path, base)
         self._llm: Any = None
         self._tokenizer: Any = None
-        self._stats = EngineStats(running=0, waiting=0, kv_cache_usage=0.0)
+        self.core_client = core_client  # one of several API processes: a client of the parent's engine core
+        self._stats = StatsBox(core_client.stats if core_client else None)  # the freshest of any API process's
         self._reaper = ChildReaper()
         # The gossiped digest's record (prefix_record), and the subscriber feeding a "kv_events" one
         self.served_prefixes = prefix_record(prefix_digest, self)
@@ -421,15 +427,18 @@ class VllmEngine:
         return self.max_model_len
 
     def model_stats(self) -> list[tuple[str, EngineStats]]:
-        return [(self.models[0], self._stats)]
+        return [(self.models[0], self.stats())]
+
+    def engine_args(self) -> dict[str, Any]:
+        """``AsyncEngineArgs``' keyword arguments, LoRA's included (the shared engine core starts from them)."""
+        return self.lora.start_args(self._args)
 
     async def start(self) -> None:
         """Start AsyncLLM. Blocks the loop while vLLM spawns its processes: call before serving."""
         if self._llm is not None:
             return
         try:
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
+            import vllm  # noqa: F401
         except ImportError as exc:
             raise EngineError("the vllm engine needs vLLM installed (pip install 'zerolayer[engine]')") from exc
 
@@ -440,16 +449,12 @@ class VllmEngine:
         before = set(descendants(os.getpid()))
         try:
             with _visible_devices(self.devices), _otlp_over_http(self.settings.otlp_traces_endpoint):
-                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args),
-                                                      stat_loggers=[stats_sink(self._keep_stats, max_loras)])
+                self._llm = async_llm(args, [stats_sink(self._stats.put, max_loras)], self.core_client)
             self._tokenizer = self._llm.get_tokenizer()
         except Exception as exc:  # vLLM raises plain RuntimeError/ValueError for bad configs
             kv_events.detach(self._kv_events)
             raise EngineError(f"vLLM failed to start with model {self.model_path!r}: {exc}") from exc
         self._reaper.watch(before)  # vLLM's processes now exist: they die with this one, even on SIGKILL
-
-    def _keep_stats(self, stats: EngineStats) -> None:
-        self._stats = stats
 
     async def close(self) -> None:
         if self._llm is not None:
@@ -650,7 +655,25 @@ class VllmEngine:
         return self.lora.card(model) or {"root": self.model_path, "max_model_len": self.max_model_len}
 
     def stats(self) -> EngineStats:
-        return self._stats
+        return self._stats.get()
+
+
+def async_llm(args: dict[str, Any], stat_loggers: list[Any], client: "CoreClient | None") -> Any:
+    """vLLM's ``AsyncLLM`` from engine ``args``: with its own engine core, or as client i of N of the
+    engine core the parent of several API processes started (``engine/shared_core.py``)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if client is None:
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=stat_loggers)
+    from vllm.usage.usage_lib import UsageContext
+
+    engine_args = AsyncEngineArgs(**args)
+    engine_args._api_process_count = client.count
+    engine_args._api_process_rank = client.index
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers, client_addresses=client.addresses,
+                                     client_count=client.count, client_index=client.index)
 
 
 def _client_error(exc: BaseException) -> bool:

@@ -55,6 +55,13 @@ class ClusterReadError(RuntimeServerError):
 
 
 # --------------------------------------------------------------------------- pure builders
+def server_section(runtime: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's ``server:`` from the node's ``spec.runtime`` over the base file's: ``serverCore`` (the
+    HTTP/2 core, docs/server-core.md) and ``apiProcesses`` (docs/api-processes.md); else the base's."""
+    names = {"serverCore": "core", "apiProcesses": "api_processes"}
+    return {**base, **{key: runtime[field] for field, key in names.items() if field in runtime}}
+
+
 def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The standalone-config mapping for this node, from its InferenceNode (``base`` fills the rest).
 
@@ -65,7 +72,8 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     (:func:`zerolayer.models.container_path`). The scheduler's thresholds map onto its shedding
     marks; ``sampleIntervalMs`` onto the telemetry period. ``tlsSecretName`` turns on TLS with the
     certificate the operator mounts at :data:`TLS_DIR` (the probes then use HTTPS). ``serverCore``
-    becomes ``server.core``: which HTTP/2 core serves (``python`` or ``native``, the compiled one).
+    becomes ``server.core``: which HTTP/2 core serves (``python`` or ``native``, the compiled one);
+    ``apiProcesses`` becomes ``server.api_processes`` (``zerolayer runtime --api-processes`` overrides both).
     """
     spec = inode.get("spec") or {}
     config: dict[str, Any] = {k: v for k, v in (base or {}).items()}
@@ -102,8 +110,8 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     config["listen"] = listen
     if runtime.get("tlsSecretName"):
         config["tls"] = {"cert": f"{TLS_DIR}/tls.crt", "key": f"{TLS_DIR}/tls.key"}
-    if "serverCore" in runtime:  # the HTTP/2 core (server.core; docs/server-core.md); else the base's, python
-        config["server"] = {**(config.get("server") or {}), "core": runtime["serverCore"]}
+    if "serverCore" in runtime or "apiProcesses" in runtime:
+        config["server"] = server_section(runtime, config.get("server") or {})
     scheduler = spec.get("scheduler") or {}
     config["scheduler"] = scheduler_marks(scheduler, config.get("scheduler") or {})
     if "sampleIntervalMs" in scheduler:

@@ -51,11 +51,12 @@ class MicroScheduler:
     """
 
     def __init__(self, config: SchedulerConfig | None = None, *, registry: CollectorRegistry | None = None,
-                 tenants: Mapping[str, TenantPolicy] | None = None) -> None:
+                 tenants: Mapping[str, TenantPolicy] | None = None, ledger: QuotaLedger | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.metrics = SchedulerMetrics(registry)
-        self._state = SharedState(self.config, PressureGate.from_config(self.config),
-                                  QuotaLedger(self.config.quota_window_s, self.config.concurrency_retry_after_s),
+        if ledger is None:  # one process; several API processes share a node-wide one (board.py)
+            ledger = QuotaLedger(self.config.quota_window_s, self.config.concurrency_retry_after_s)
+        self._state = SharedState(self.config, PressureGate.from_config(self.config), ledger,
                                   Projection(self.config.kv_capacity_tokens))
         self._filters = build_filters(self._state)
         self._ordering = build_ordering(self._state)
@@ -127,7 +128,7 @@ class MicroScheduler:
     def admit(self, ticket: Ticket, now: float, stage: str = "headers") -> Admission:
         if stage not in STAGES:
             raise SchedulerError(f"unknown admission stage {stage!r}; use one of {STAGES}")
-        with self._lock:
+        with self._lock, self._state.ledger.transaction():
             previous = self._streams.get(ticket.stream_key)
             policy = self._tenants.get(ticket.tenant)
             ctx = AdmissionContext(ticket, now, stage, policy, previous is not None, self._last_pressure)
@@ -152,7 +153,7 @@ class MicroScheduler:
             return Admission(True, reservation, headers=headers, engine_priority=engine_priority)
 
     def settle(self, reservation: Reservation, used_tokens: int, now: float) -> None:
-        with self._lock:
+        with self._lock, self._state.ledger.transaction():
             stream = self._streams.get(reservation.stream_key)
             self._preempted.discard(reservation.stream_key)
             if stream is None:
@@ -163,6 +164,7 @@ class MicroScheduler:
 
     def observe(self, pressure: Pressure, now: float) -> Sequence[Preemption]:
         with self._lock:
+            self._state.ledger.refresh(now)
             self._last_pressure = pressure
             self._state.projection.sampled(pressure.sampled_at)
             self.metrics.memory_fraction.set(pressure.memory_fraction)

@@ -19,8 +19,10 @@ scheduler holds its lock around every call.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
+from typing import ContextManager
 
 from zerolayer.contract import RATELIMIT_HEADERS
 
@@ -173,6 +175,15 @@ class QuotaLedger:
     def tenants(self) -> set[str]:
         """Names of the tenants with a ledger (charged at least once)."""
         return set(self._tenants)
+
+    def transaction(self) -> ContextManager[None]:
+        """Held by the scheduler from a check to the charge it allows, and around settles. Nothing to
+        hold in one process (the scheduler's own lock serialises it); the node-wide ledger of several
+        API processes takes its shared lock here (``board.py``)."""
+        return contextlib.nullcontext()
+
+    def refresh(self, now: float) -> None:
+        """Called on every telemetry sample; nothing to do for a ledger that shares nothing."""
 
     def tenant(self, name: str) -> TenantLedger:
         ledger = self._tenants.get(name)

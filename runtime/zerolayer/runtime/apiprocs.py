@@ -1,0 +1,246 @@
+"""N API processes on one port, one engine core, one admission view (``server.api_processes``).
+
+One runtime process is one Python interpreter: its HTTP, admission and streaming work is bounded by
+one core. ``vllm serve --api-server-count N`` answers that with N API processes that are clients of
+one engine core; this module does the same for the runtime (docs/api-processes.md):
+
+- the parent (``zerolayer runtime`` with N > 1) creates the shared admission state, starts vLLM's
+  engine core with vLLM's own launcher (:class:`~zerolayer.runtime.engine.shared_core.SharedEngineCore`),
+  then spawns N API processes;
+- each API process is a whole runtime (:func:`zerolayer.runtime.compose.from_args` with an
+  :class:`ApiProcess`): it binds the serving port with SO_REUSEPORT, admits with a quota ledger that
+  sees every process's charges (:mod:`zerolayer.runtime.scheduler.board`), reads the engine's
+  freshest scheduler sample whichever process received it, and claims its own slice of fleet-wide
+  quotas (claimant ``<node>/api-<i>``); process 0 alone gossips the node's GPU map;
+- the parent answers ``--metrics-port`` with every process's series, labelled ``api_process``, and
+  stops everything when one process dies (the pod restarts, as vllm serve does).
+
+With the synthetic engine each API process has its own engine (there is no engine core to share);
+admission is shared all the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from multiprocessing.connection import wait
+from typing import Any, Iterator
+
+from zerolayer.runtime.errors import RuntimeServerError
+
+log = logging.getLogger("zerolayer.runtime.apiprocs")
+
+
+@dataclasses.dataclass
+class ApiProcess:
+    """What API process ``index`` of ``count`` shares with the others (it pickles into the spawn)."""
+
+    index: int
+    count: int
+    board: Any  # scheduler.board.QuotaBoard
+    metrics_socket: str
+    core_client: Any = None  # engine.shared_core.CoreClient, for a vLLM engine
+
+    def ledger(self, config: Any) -> Any:
+        """This process's view of the node's tenant quotas."""
+        from zerolayer.runtime.scheduler.board import SharedQuotaLedger
+
+        return SharedQuotaLedger(self.board, self.index, config.quota_window_s, config.concurrency_retry_after_s)
+
+    def engine_wiring(self) -> dict[str, Any]:
+        """``build_engine``'s keywords: a vLLM engine joins the shared core (none for the synthetic one)."""
+        return {} if self.core_client is None else {"core_client": self.core_client}
+
+    def agent_args(self, args: argparse.Namespace) -> argparse.Namespace:
+        """The node agent's flags: process 0 gossips the node's map; the others keep no gossip of their own."""
+        if self.index == 0:
+            return args
+        return argparse.Namespace(**{**vars(args), "node_name": None})
+
+    def claimant(self, node: str) -> str:
+        """The name this process's fleet-quota claims go under: each process holds its own slice."""
+        return node if self.index == 0 else f"{node}/api-{self.index}"
+
+
+def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engine: Any) -> int:
+    """Run ``count`` API processes until SIGTERM/SIGINT or until one exits; the exit status."""
+    from zerolayer.runtime.scheduler.board import QuotaBoard
+
+    ctx = multiprocessing.get_context("spawn")
+    board = QuotaBoard.create(count, context=ctx)
+    sockets = tempfile.mkdtemp(prefix="zerolayer-api-")
+    paths = [os.path.join(sockets, f"metrics-{i}.sock") for i in range(count)]
+    _stop_on_signals()
+    procs: list[Any] = []
+    core = None
+    try:
+        with _engine_core(engine_kind, build_engine, count) as (core, clients, launched):
+            for i in range(count):
+                api = ApiProcess(i, count, board, paths[i], clients[i] if clients else None)
+                procs.append(ctx.Process(target=child_main, args=(args, api), name=f"zerolayer-api-{i}"))
+                procs[-1].start()
+            if launched is not None:
+                launched.watched_frontend_processes = procs  # an API process that dies aborts the engine's start
+        print(f"zerolayer runtime: {count} API processes (pids {', '.join(str(p.pid) for p in procs)})"
+              + (", one vLLM engine core" if core is not None else ""), flush=True)
+        _metrics_thread(args.metrics_port, paths)
+        return _watch(procs, core.sentinels() if core is not None else [])
+    except SystemExit:
+        return 0
+    except RuntimeServerError as exc:
+        print(f"zerolayer runtime: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        _stop_all(procs)
+        if core is not None:
+            core.shutdown(timeout=10)
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT end :func:`supervise`'s wait (as SystemExit), once."""
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def _watch(procs: list[Any], engine: list[Any]) -> int:
+    """Wait until an API process or the engine core exits: the node stops (its pod restarts) with 1."""
+    watched = {p.sentinel: p for p in procs}
+    ready = wait([*watched, *engine])
+    proc = next((watched[s] for s in ready if s in watched), None)
+    if proc is None:
+        log.error("the engine core exited: stopping the API processes")
+    else:
+        log.error("API process %s exited (%s): stopping the others", proc.name, proc.exitcode)
+    return 1
+
+
+@contextlib.contextmanager
+def _engine_core(kind: str, build_engine: Any, count: int) -> Iterator[tuple[Any, list[Any], Any]]:
+    """The shared vLLM engine core (its clients and launch record), or nothing for the synthetic engine."""
+    if kind != "vllm":
+        yield None, [], None
+        return
+    from zerolayer.runtime.engine.shared_core import SharedEngineCore
+
+    core = SharedEngineCore(build_engine(), count)
+    with core.launch() as (clients, launched):
+        yield core, clients, launched
+
+
+def _stop_all(procs: list[Any], grace_s: float = 35.0) -> None:
+    """SIGTERM every live API process (each drains: GOAWAY, in-flight streams finish), then kill stragglers."""
+    for proc in procs:
+        if proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        proc.join(grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def child_main(args: argparse.Namespace, api: ApiProcess) -> None:
+    """An API process: the runtime ``args`` describe, as process ``api.index`` of ``api.count``."""
+    from zerolayer import logformat
+    from zerolayer.runtime.compose import from_args, serve
+
+    logformat.configure(args.log_level, args.log_format)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns ^C into SIGTERM for each process
+    try:
+        runtime = from_args(args, api=api)
+    except RuntimeServerError as exc:
+        print(f"zerolayer runtime (API process {api.index}): {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(serve(runtime, f"API process {api.index}/{api.count}: "))
+
+
+def _metrics_thread(port: int | None, sockets: list[str]) -> Any:
+    """Answer ``GET /metrics`` on ``port`` (when given) with every API process's series, in a thread."""
+    if not port:
+        return None
+    import threading
+
+    from zerolayer.runtime.compose import metrics_answer
+
+    async def main() -> None:
+        async def render() -> bytes:
+            return merge_metrics(await asyncio.gather(*(_scrape(path) for path in sockets)))
+
+        server = await asyncio.start_server(_async_answer(metrics_answer, render), "0.0.0.0", port, limit=16384)
+        async with server:
+            await server.serve_forever()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), name="zerolayer-metrics", daemon=True)
+    thread.start()
+    return thread
+
+
+def _async_answer(metrics_answer: Any, render: Any) -> Any:
+    """``metrics_answer`` for a ``render`` that is a coroutine: render first, then answer with the bytes."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await render()
+        await metrics_answer(lambda: body)(reader, writer)
+
+    return answer
+
+
+async def _scrape(path: str) -> bytes:
+    """One API process's ``/metrics`` over its Unix socket; empty if it does not answer."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout=2)
+    except (OSError, asyncio.TimeoutError):
+        return b""
+    try:
+        writer.write(b"GET /metrics HTTP/1.1\r\nhost: local\r\n\r\n")
+        data = await asyncio.wait_for(reader.read(), timeout=5)
+    except (OSError, asyncio.TimeoutError):
+        return b""
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return body if head.startswith(b"HTTP/1.1 200") else b""
+
+
+def merge_metrics(pages: list[bytes]) -> bytes:
+    """The API processes' exposition pages as one, each sample labelled ``api_process`` (its index);
+    each family once, its samples from every process together (the text format wants them grouped)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.samples import Sample
+
+    families: dict[str, Any] = {}
+    for index, page in enumerate(pages):
+        for family in text_string_to_metric_families(page.decode("utf-8", "replace")):
+            kept = families.setdefault(family.name, family)
+            samples = [Sample(s.name, {**s.labels, "api_process": str(index)}, s.value, s.timestamp, s.exemplar)
+                       for s in family.samples]
+            if kept is family:
+                family.samples = samples
+            else:
+                kept.samples.extend(samples)
+
+    class _Merged:
+        def collect(self) -> Any:
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry)

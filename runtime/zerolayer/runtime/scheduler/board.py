@@ -1,0 +1,222 @@
+"""One node's tenant quotas across its API processes (``server.api_processes``): a shared board.
+
+With N API processes on one port (docs/api-processes.md), each process admits the streams of the
+connections the kernel gave it, but a tenant's ``max_concurrent_streams``, requests and tokens per
+minute are the node's. Dividing each limit by N would starve a tenant whose HTTP/2 connection (all
+its traffic) lands on one process, so every process keeps its own exact ledger
+(:class:`~zerolayer.runtime.scheduler.quota.TenantLedger`) and *publishes* its per-tenant totals in
+a row of a shared-memory table; a check adds the other rows to its own:
+
+    **Bound.** Every admission happens under one node-wide lock (a POSIX semaphore) held from the
+    quota check to the charge and its publication, so for every tenant and every moment the sum
+    over processes of (open streams, requests and tokens reserved in the trailing window) is at
+    most the tenant's limit, as in one process (``quota.py``'s bound, node-wide).
+
+A published row can only over-state: charges leave a process's window as time passes, and the
+row is re-published at each of the process's own changes and on each telemetry sample
+(:meth:`SharedQuotaLedger.refresh`, 200 ms by default), so a tenant may be refused up to one
+sample interval early, never admitted beyond its limit. The lock is held for a few table reads and
+writes (no system call when uncontended); it is not held across any I/O.
+
+The board is plain memory (``multiprocessing.RawArray``) created by the parent before it spawns
+the API processes: a fixed table of ``capacity`` tenant slots, keyed by a 64-bit hash of the
+tenant name, each slot one row of three counters per process. A tenant that finds the table full
+is refused with a clear error rather than counted wrongly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import multiprocessing
+from typing import Any, Iterator
+
+from .api import TenantPolicy
+from .quota import (H_LIMIT_REQUESTS, H_LIMIT_TOKENS, H_REMAINING_REQUESTS, H_REMAINING_TOKENS, H_RESET_REQUESTS,
+                    H_RESET_TOKENS, QuotaLedger, QuotaVerdict, TenantLedger, _window_words, format_duration)
+
+FIELDS = 3  # open streams, requests in window, tokens in window
+DEFAULT_CAPACITY = 8192
+
+
+class BoardFull(RuntimeError):
+    """More distinct tenants than the board has slots."""
+
+
+@dataclasses.dataclass
+class QuotaBoard:
+    """The shared table and its lock. Create with :meth:`create` in the parent; it pickles into
+    ``multiprocessing`` spawn arguments (the array and lock travel as shared handles)."""
+
+    processes: int
+    capacity: int
+    keys: Any  # RawArray('Q', capacity): 0 = free slot, else the tenant's hash
+    counters: Any  # RawArray('q', capacity * processes * FIELDS)
+    lock: Any  # multiprocessing Lock (a POSIX semaphore)
+
+    @classmethod
+    def create(cls, processes: int, capacity: int = DEFAULT_CAPACITY, context: Any = None) -> "QuotaBoard":
+        if processes < 1:
+            raise ValueError("a quota board needs at least one process")
+        ctx = context or multiprocessing.get_context("spawn")
+        return cls(processes, capacity, ctx.RawArray("Q", capacity), ctx.RawArray("q", capacity * processes * FIELDS),
+                   ctx.Lock())
+
+    def slot(self, tenant: str) -> int:
+        """The tenant's slot, claimed on first use (call under :attr:`lock`). Raises :class:`BoardFull`."""
+        key = tenant_key(tenant)
+        keys, capacity = self.keys, self.capacity
+        index = key % capacity
+        for _ in range(capacity):  # open addressing: slots are never freed, so a probe ends at the key or a hole
+            held = keys[index]
+            if held == key:
+                return index
+            if held == 0:
+                keys[index] = key
+                return index
+            index = (index + 1) % capacity
+        raise BoardFull(f"the node's quota board holds {capacity} tenants; tenant {tenant!r} does not fit")
+
+    def publish(self, slot: int, process: int, open_streams: int, requests: int, tokens: int) -> None:
+        base = (slot * self.processes + process) * FIELDS
+        counters = self.counters
+        counters[base] = open_streams
+        counters[base + 1] = requests
+        counters[base + 2] = tokens
+
+    def others(self, slot: int, process: int) -> tuple[int, int, int]:
+        """The sum of the other processes' rows for ``slot``: (open streams, requests, tokens)."""
+        counters, n = self.counters, self.processes
+        open_streams = requests = tokens = 0
+        for other in range(n):
+            if other == process:
+                continue
+            base = (slot * n + other) * FIELDS
+            open_streams += counters[base]
+            requests += counters[base + 1]
+            tokens += counters[base + 2]
+        return open_streams, requests, tokens
+
+    def totals(self, tenant: str) -> tuple[int, int, int]:
+        """Node-wide (open streams, requests, tokens) of ``tenant`` as published (for tests and metrics)."""
+        with self.lock:
+            return self.others(self.slot(tenant), -1)
+
+
+def tenant_key(tenant: str) -> int:
+    """A non-zero 64-bit key for ``tenant`` (0 marks a free slot)."""
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little") or 1
+
+
+class _PublishedLedger(TenantLedger):
+    """A :class:`TenantLedger` that re-publishes its totals after every change (the caller holds the
+    board's lock: :meth:`SharedQuotaLedger.transaction`)."""
+
+    def __init__(self, window_s: float, publish: Any) -> None:
+        super().__init__(window_s)
+        self._publish = publish
+
+    def charge(self, stream_key: str, tokens: int, now: float, *, new_request: bool) -> float:
+        at = super().charge(stream_key, tokens, now, new_request=new_request)
+        self._publish(self, now)
+        return at
+
+    def settle(self, stream_key: str, used_tokens: int, now: float) -> None:
+        super().settle(stream_key, used_tokens, now)
+        self._publish(self, now)
+
+    def restore(self, tokens: int, requests: int, now: float) -> None:
+        super().restore(tokens, requests, now)
+        self._publish(self, now)
+
+
+class SharedQuotaLedger(QuotaLedger):
+    """The :class:`QuotaLedger` of API process ``index`` of the board's N: its own charges, checked
+    and reported together with what the other processes published. The scheduler holds
+    :meth:`transaction` from check to charge (``MicroScheduler.admit``)."""
+
+    def __init__(self, board: QuotaBoard, index: int, window_s: float = 60.0,
+                 concurrency_retry_after_s: float = 1.0) -> None:
+        if not 0 <= index < board.processes:
+            raise ValueError(f"API process {index} is not one of the board's {board.processes}")
+        super().__init__(window_s, concurrency_retry_after_s)
+        self.board = board
+        self.index = index
+        self._slots: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        with self.board.lock:
+            yield
+
+    def tenant(self, name: str) -> TenantLedger:
+        ledger = self._tenants.get(name)
+        if ledger is None:
+            ledger = self._tenants[name] = _PublishedLedger(self.window_s, lambda led, now: self._publish(name, led, now))
+        return ledger
+
+    def _slot(self, name: str) -> int:
+        slot = self._slots.get(name)
+        if slot is None:
+            slot = self._slots[name] = self.board.slot(name)
+        return slot
+
+    def _publish(self, name: str, ledger: TenantLedger, now: float) -> None:
+        self.board.publish(self._slot(name), self.index, len(ledger.open_streams), ledger.requests_in_window(now),
+                           ledger.tokens_in_window(now))
+
+    def refresh(self, now: float) -> None:
+        """Re-publish every tenant's totals (charges that left the window stop counting for the others)."""
+        with self.board.lock:
+            for name, ledger in self._tenants.items():
+                self._publish(name, ledger, now)
+
+    def check(self, policy: TenantPolicy, stream_key: str, tokens: int, now: float, *, new_request: bool
+              ) -> QuotaVerdict | None:
+        """:meth:`QuotaLedger.check` with the other processes' published totals added to this one's."""
+        ledger = self.tenant(policy.tenant)
+        o_open, o_requests, o_tokens = self.board.others(self._slot(policy.tenant), self.index)
+        window = _window_words(self.window_s)
+        if new_request:
+            limit = policy.max_concurrent_streams
+            if limit is not None and len(ledger.open_streams - {stream_key}) + o_open >= limit:
+                return QuotaVerdict("concurrency", f"tenant {policy.tenant!r} already has {limit} open streams "
+                                    "on this node (max_concurrent_streams)", self.concurrency_retry_after_s)
+            limit = policy.requests_per_minute
+            if limit is not None and limit <= 0:
+                return QuotaVerdict("requests", f"tenant {policy.tenant!r} may make no requests", None)
+            if limit is not None and ledger.requests_in_window(now) + o_requests + 1 > limit:
+                # When this process's own requests leave the window is known; the others' is not, so a
+                # refusal caused by them alone suggests the fixed pause of a concurrency refusal.
+                own = ledger.requests_retry_after(max(1, limit - o_requests), now) if o_requests < limit else 0.0
+                return QuotaVerdict("requests", f"tenant {policy.tenant!r} reached {limit} requests per {window}",
+                                    own or self.concurrency_retry_after_s)
+        limit = policy.tokens_per_minute
+        if limit is not None:
+            if tokens > limit:
+                return QuotaVerdict("request_too_large", f"request needs {tokens} tokens (prompt + max_tokens) but "
+                                    f"tenant {policy.tenant!r} may use {limit} per {window}; lower max_tokens", None)
+            need = tokens - ledger.charged(stream_key)
+            if ledger.tokens_in_window(now) + o_tokens + need > limit:
+                own = ledger.tokens_retry_after(need, max(need, limit - o_tokens), now) if o_tokens < limit else 0.0
+                return QuotaVerdict("tokens", f"tenant {policy.tenant!r} reached {limit} tokens per {window}",
+                                    own or self.concurrency_retry_after_s)
+        return None
+
+    def headers(self, policy: TenantPolicy, now: float) -> dict[str, str]:
+        """``x-ratelimit-*`` with the node-wide remaining counts; the reset times are this process's."""
+        ledger = self.tenant(policy.tenant)
+        _, o_requests, o_tokens = self.board.others(self._slot(policy.tenant), self.index)
+        out: dict[str, str] = {}
+        if policy.requests_per_minute is not None:
+            used = ledger.requests_in_window(now) + o_requests
+            out[H_LIMIT_REQUESTS] = str(policy.requests_per_minute)
+            out[H_REMAINING_REQUESTS] = str(max(0, policy.requests_per_minute - used))
+            out[H_RESET_REQUESTS] = format_duration(ledger.full_reset_after(now, tokens=False))
+        if policy.tokens_per_minute is not None:
+            used = ledger.tokens_in_window(now) + o_tokens
+            out[H_LIMIT_TOKENS] = str(policy.tokens_per_minute)
+            out[H_REMAINING_TOKENS] = str(max(0, policy.tokens_per_minute - used))
+            out[H_RESET_TOKENS] = format_duration(ledger.full_reset_after(now, tokens=True))
+        return out
