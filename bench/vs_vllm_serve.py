@@ -16,7 +16,12 @@ vLLM's priority scheduling policy, which zerolayer always sets), same client, th
                (``--litellm``, default ``~/.cache/zerolayer/bench-venvs/litellm``) so it cannot
                change this environment's packages.
 
-All three run at once; for each concurrency the client runs against each stack back to back,
+With ``--api-processes 1 2`` each of vllm-serve, zerolayer and zl-native also runs with two API
+processes sharing one engine core: ``vllm serve --api-server-count 2`` as vllm-serve-x2 and the
+runtime with ``server.api_processes: 2`` (docs/api-processes.md) as zerolayer-x2 / zl-native-x2,
+each compared with vllm-serve-x2.
+
+All stacks run at once; for each concurrency the client runs against each stack back to back,
 ``--rounds`` times with the order rotated, and the tables show each metric's median over the
 rounds (the per-round throughput ratios are printed too: on a shared 2-core machine one run
 can be off by 2x). Client: ``vllm bench serve --backend openai-chat
@@ -26,6 +31,7 @@ is the user+system time of each stack's whole process tree (API server and engin
 LiteLLM, LiteLLM plus the vllm serve behind it) over the run ÷ completed requests.
 
     python bench/vs_vllm_serve.py [--concurrency 1 4 16] [--prompts 64] [--rounds 3] [--native] [--litellm '']
+                                   [--api-processes 1 2]
 """
 
 from __future__ import annotations
@@ -53,17 +59,20 @@ DEFAULT_LITELLM = pathlib.Path(os.environ.get("ZEROLAYER_CACHE", pathlib.Path.ho
                                "bench-venvs", "litellm")
 
 
-def vllm_serve_cmd(port: int) -> list[str]:
-    return [*VLLM_CLI, "serve", str(MODEL_DIR), "--served-model-name", SERVED, "--host", "127.0.0.1",
+def vllm_serve_cmd(port: int, api_servers: int = 1) -> list[str]:
+    count = ["--api-server-count", str(api_servers)] if api_servers > 1 else []
+    return [*VLLM_CLI, "serve", str(MODEL_DIR), *count, "--served-model-name", SERVED, "--host", "127.0.0.1",
             "--port", str(port), "--api-key", benchlib.KEY, "--max-model-len", str(ENGINE["max_model_len"]),
             "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--kv-cache-memory-bytes",
             str(ENGINE["kv_cache_memory_bytes"]), "--enforce-eager", "--dtype", "float32",
             "--scheduling-policy", "priority", "--disable-uvicorn-access-log"]
 
 
-def zerolayer_cmd(port: int, spool: str, core: str = "python") -> tuple[list[str], str]:
+def zerolayer_cmd(port: int, spool: str, core: str = "python", api_processes: int = 1) -> tuple[list[str], str]:
     engine = {"kind": "vllm", "model_path": str(MODEL_DIR), "served_name": SERVED, **ENGINE}
-    extra = {"server": {"core": core}} if core != "python" else {}
+    server = {**({"core": core} if core != "python" else {}), **({"api_processes": api_processes}
+                                                                  if api_processes > 1 else {})}
+    extra = {"server": server} if server else {}
     config = benchlib.write_config(benchlib.runtime_config(port, engine, **extra))
     return benchlib.runtime_cmd(config, "--audit-spool", spool, "--audit-journal"), config
 
@@ -155,30 +164,40 @@ def first_token_metrics(result: dict) -> dict:
             "p50_tpot_token_ms": benchlib.percentile(tpots, 0.5)}
 
 
+def suffix(processes: int) -> str:
+    """A stack's name suffix for its number of API processes (none for one)."""
+    return "" if processes == 1 else f"-x{processes}"
+
+
 @contextlib.contextmanager
-def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path,
-           native: bool = False) -> Iterator[dict[str, tuple[int, int, int | None]]]:
-    """Start every stack; yields name -> (port, pid to meter, second pid to meter or None)."""
+def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path, native: bool = False,
+           api_processes: tuple[int, ...] = (1,)) -> Iterator[dict[str, tuple[int, int, int | None]]]:
+    """Start every stack, for each number of API processes; yields name -> (port, pid to meter, second pid
+    to meter or None)."""
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as spool:
-        vport, zport = benchlib.free_port(), benchlib.free_port()
-        vproc = stack.enter_context(benchlib.server(vllm_serve_cmd(vport), vport, timeout=600,
-                                                    log=logs / "vllm-serve.log"))
-        wait_ready(vport)
-        zcmd, zconfig = zerolayer_cmd(zport, spool)
-        stack.callback(os.unlink, zconfig)
-        zproc = stack.enter_context(benchlib.server(zcmd, zport, env={"BENCH_KEY": benchlib.KEY}, timeout=600,
-                                                    log=logs / "zerolayer.log"))
-        wait_ready(zport)
-        found = {"vllm-serve": (vport, vproc.pid, None), "zerolayer": (zport, zproc.pid, None)}
-        if native:
-            nport = benchlib.free_port()
-            ncmd, nconfig = zerolayer_cmd(nport, spool, core="native")
-            stack.callback(os.unlink, nconfig)
-            nproc = stack.enter_context(benchlib.server(ncmd, nport, env={"BENCH_KEY": benchlib.KEY}, timeout=600,
-                                                        log=logs / "zl-native.log"))
-            wait_ready(nport)
-            found["zl-native"] = (nport, nproc.pid, None)
-        if litellm_venv is not None:
+        found: dict[str, tuple[int, int, int | None]] = {}
+        first_vllm: tuple[int, int] | None = None
+        env = {"BENCH_KEY": benchlib.KEY}
+        for n in api_processes:
+            name = suffix(n)
+            vport = benchlib.free_port()
+            vproc = stack.enter_context(benchlib.server(vllm_serve_cmd(vport, n), vport, timeout=600,
+                                                        log=logs / f"vllm-serve{name}.log"))
+            wait_ready(vport)
+            found[f"vllm-serve{name}"] = (vport, vproc.pid, None)
+            first_vllm = first_vllm or (vport, vproc.pid)
+            for flavour, core in (("zerolayer", "python"), ("zl-native", "native")):
+                if core == "native" and not native:
+                    continue
+                port = benchlib.free_port()
+                cmd, config = zerolayer_cmd(port, spool, core=core, api_processes=n)
+                stack.callback(os.unlink, config)
+                proc = stack.enter_context(benchlib.server(cmd, port, env=env, timeout=600,
+                                                           log=logs / f"{flavour}{name}.log"))
+                wait_ready(port)
+                found[f"{flavour}{name}"] = (port, proc.pid, None)
+        if litellm_venv is not None and first_vllm is not None:
+            vport, vpid = first_vllm
             lport = benchlib.free_port()
             lconfig = litellm_config(vport)
             stack.callback(os.unlink, lconfig)
@@ -187,8 +206,20 @@ def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path,
             lenv = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}
             lproc = stack.enter_context(benchlib.server(lcmd, lport, env=lenv, timeout=600, log=logs / "litellm.log"))
             wait_ready(lport)
-            found["litellm"] = (lport, lproc.pid, vproc.pid)
+            found["litellm"] = (lport, lproc.pid, vpid)
         yield found
+
+
+def pairs_of(names: list[str]) -> list[tuple[str, str]]:
+    """(runtime stack, the stack it is compared with): each runtime stack against ``vllm serve`` with as
+    many API processes, and the one-process ones against LiteLLM."""
+    out = []
+    for name in names:
+        flavour, _, count = name.partition("-x")
+        if flavour.startswith(("zerolayer", "zl-native")) and not name.startswith("vllm"):
+            base = "vllm-serve" + (f"-x{count}" if count else "")
+            out += [(name, other) for other in (base, "litellm") if other in names and not (count and other == "litellm")]
+    return out
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -209,12 +240,12 @@ def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
         f"/v1/chat/completions; medians of {args.rounds} interleaved rounds; runtime at {rev}",
         benchlib.machine_line(),
         "",
-        f"{'conc':>4} {'stack':<11} {'done':>5} {'out tok':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'conc':>4} {'stack':<15} {'done':>5} {'out tok':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'TPOT p50':>9} {'CPU ms/req':>10} {'1st-chunk p50':>13}",
     ]
     for c, rows in results.items():
         for name, r in rows.items():
-            lines.append(f"{c:>4} {name:<11} {int(r['completed']):>5} {int(r['total_output_tokens']):>7} "
+            lines.append(f"{c:>4} {name:<15} {int(r['completed']):>5} {int(r['total_output_tokens']):>7} "
                          f"{r['output_throughput']:9.1f} {r['p50_ttft_token_ms']:9.1f} {r['p99_ttft_token_ms']:9.1f} "
                          f"{r['p50_tpot_token_ms']:9.1f} {r['cpu_ms_per_req']:10.1f} {r['p50_ttft_ms']:13.1f}")
     lines += ["", "TTFT = to the first token's chunk; TPOT from it (see first_token_metrics). 1st-chunk p50 is what",
@@ -222,27 +253,28 @@ def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
               "the stream is admitted and vLLM sends with the first token, so it flatters the runtime; not used below.",
               "", "ratios zerolayer / other (out tok/s: >1 = zerolayer faster; TTFT, TPOT, CPU/req: <1 = zerolayer "
                   "lower):",
-              f"{'conc':>4} {'stack / against':<22} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+              f"{'conc':>4} {'stack / against':<28} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
               f"{'CPU/req':>9}"]
-    pairs = [(flavour, other) for flavour in ("zerolayer", "zl-native") for other in ("vllm-serve", "litellm")]
+    pairs = pairs_of(list(next(iter(results.values()))))
     for c, rows in results.items():
         for flavour, other in pairs:
             if flavour not in rows or other not in rows:
                 continue
             z, o = rows[flavour], rows[other]
-            lines.append(f"{c:>4} {flavour + ' / ' + other:<22} "
+            lines.append(f"{c:>4} {flavour + ' / ' + other:<28} "
                          f"{benchlib.ratio(z['output_throughput'], o['output_throughput']):>9} "
                          f"{benchlib.ratio(z['p50_ttft_token_ms'], o['p50_ttft_token_ms']):>9} "
                          f"{benchlib.ratio(z['p99_ttft_token_ms'], o['p99_ttft_token_ms']):>9} "
                          f"{benchlib.ratio(z['p50_tpot_token_ms'], o['p50_tpot_token_ms']):>9} "
                          f"{benchlib.ratio(z['cpu_ms_per_req'], o['cpu_ms_per_req']):>9}")
-    lines += ["", "zerolayer (and zl-native) / vllm-serve out tok/s in each round (the spread is the machine's noise):"]
+    lines += ["", "runtime / vllm-serve (as many API processes) out tok/s in each round (the spread is the machine's "
+                  "noise):"]
     for c, by_name in rounds.items():
-        for flavour in ("zerolayer", "zl-native"):
-            if flavour in by_name:
+        for flavour, other in pairs:
+            if other != "litellm":
                 per_round = [benchlib.ratio(z["output_throughput"], v["output_throughput"])
-                             for z, v in zip(by_name[flavour], by_name["vllm-serve"])]
-                lines.append(f"  c={c} {flavour}: {', '.join(per_round)}")
+                             for z, v in zip(by_name[flavour], by_name[other])]
+                lines.append(f"  c={c} {flavour} / {other}: {', '.join(per_round)}")
     lines += ["", "goals (issue 14): vs vllm-serve out tok/s >= 1.00x and TTFT <= 1.00x at every concurrency; "
                   "vs litellm out tok/s >= 1.50x and TTFT p99 <= 0.50x.",
               "", "client command (per point; the key in OPENAI_API_KEY):",
@@ -291,6 +323,9 @@ def main() -> int:
                         help="LiteLLM's virtual environment ('' to skip LiteLLM)")
     parser.add_argument("--native", action="store_true",
                         help="also run the runtime with server.core: native (the compiled core) as zl-native")
+    parser.add_argument("--api-processes", type=int, nargs="+", default=[1], metavar="N",
+                        help="run vllm serve (--api-server-count N) and the runtime (server.api_processes N) for each "
+                             "N; stacks with N > 1 are named -xN (default: 1)")
     parser.add_argument("--name", default="vs_vllm_serve")
     args = parser.parse_args()
     from zerolayer.runtime.node import tinymodel
@@ -300,7 +335,8 @@ def main() -> int:
     if venv is not None and not (venv / "bin" / "litellm").exists():
         parser.error(f"no LiteLLM in {venv}: python3 -m venv {venv} && {venv}/bin/pip install 'litellm[proxy]'")
     rounds: dict[int, dict[str, list[dict]]] = {}
-    with tempfile.TemporaryDirectory() as logs, stacks(venv, pathlib.Path(logs), args.native) as found:
+    with tempfile.TemporaryDirectory() as logs, stacks(venv, pathlib.Path(logs), args.native,
+                                                                    tuple(args.api_processes)) as found:
         try:
             for c in args.concurrency:
                 rounds[c] = {name: [] for name in found}
