@@ -252,7 +252,9 @@ async def test_slow_reader_pauses_generation_with_bounded_buffers():
         produced_while_stalled = stream.output_tokens
         backlog = conn.core.backlog(sid)
         assert backlog <= limits.stream_buffer_low + 1024  # queued at most one event past the low mark
-        assert produced_while_stalled < 200  # generation waits for the reader
+        # Generation waits for the reader. While it is behind, held deltas go out merged (up to 64 deltas an
+        # event, serving/session.py), so the low mark's bytes stand for a few hundred tokens, not 5000.
+        assert produced_while_stalled < 1000
         while not client.streams[sid].done.is_set():  # now read everything, a window at a time
             client.read_more(sid, 1 << 20)
             await client.flush()

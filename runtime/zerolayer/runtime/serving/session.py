@@ -15,11 +15,12 @@ body; after them, an SSE error event then RST_STREAM with the contract's code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 import os
-from typing import Any, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from zerolayer.contract import ERRORS, ErrorCode, Priority
 from zerolayer.logformat import bind_request
@@ -292,43 +293,14 @@ class StreamSession:
 
         answer = Assembler(frame.request, self.engine.parse_tool_calls, self.engine.tool_call_stream)
         batcher = _Batcher(channel, wire, frame, meter)
-        source = deltas.__aiter__()
-        upcoming: asyncio.Task[Delta | None] | None = None  # the engine's next delta while text is held
-        try:
-            while True:
-                if upcoming is None and not batcher.held:
-                    try:
-                        delta = await source.__anext__()  # the client keeps up: as it always was
-                    except StopAsyncIteration:
-                        break
-                else:
-                    # Text is held for a client that is behind: take the engine's next delta, but look
-                    # again every _RECHECK_S whether the channel can take the held text meanwhile.
-                    if upcoming is None:
-                        upcoming = asyncio.ensure_future(_next_delta(source))
-                    done, _ = await asyncio.wait((upcoming,), timeout=_RECHECK_S if batcher.held else None)
-                    if not done:
-                        if not backlogged(channel):
-                            await batcher.flush()
-                        continue
-                    task, upcoming = upcoming, None
-                    next_delta = task.result()
-                    if next_delta is None:
-                        break
-                    delta = next_delta
+        async with contextlib.aclosing(_paced(deltas, batcher, channel)) as paced:
+            async for delta in paced:
                 if delta.token_count and not self.first_token_sent:
                     self._first_token(delta)
                 self.output_tokens += delta.token_count
                 # tool calls stream as they are found; metered per delta once what it adds was handed over
                 await batcher.put(answer.add(delta), delta.token_count)
-            await batcher.flush()
-        finally:
-            if upcoming is not None:
-                if upcoming.done():
-                    if not upcoming.cancelled():
-                        upcoming.exception()  # retrieved: the error that ends the stream is another one
-                else:
-                    upcoming.cancel()  # the engine's generator sees the cancel, as in `async for`
+        await batcher.flush()
         await channel.end(wire.stream_end(frame, answer.choices(), self.prompt_tokens, self.output_tokens))
 
     # ------------------------------------------------------------------ ends
@@ -426,10 +398,50 @@ class StreamSession:
 # delta before it looks again whether the channel can take the held text (an engine between tokens
 # must not keep text a client could now read). Only a stream holding text waits this way.
 _RECHECK_S = 0.005
-# Held text past this many characters is sent even while the client is behind: from there the
-# transport's own back-pressure (wait_writable, write_timeout_s) applies, as to any piece, and a peer
-# that stopped reading holds no more than this here.
-_HOLD_CHARS = 16384
+# Held text past this many characters (or deltas) is sent even while the client is behind: from there the
+# transport's own back-pressure (wait_writable, write_timeout_s) applies, as to any piece. Small on
+# purpose: a merged event may go past the stream's low-water mark (limits.stream_buffer_low) by no more
+# than one small event, as one unmerged event could, and a stalled reader stalls generation after this
+# many characters (tests/integration/runtime/test_runtime_streams.py, slow reader). A one-token delta
+# is a few characters, so a merged event still stands for tens of deltas.
+_HOLD_CHARS = 512
+_HOLD_DELTAS = 64  # and past this many deltas (a delta may be one character)
+
+
+async def _paced(deltas: Any, batcher: "_Batcher", channel: Channel) -> AsyncIterator[Delta]:
+    """The engine's deltas, as ``async for`` takes them while the client keeps up. While text is held
+    for a client that is behind, the next delta is awaited with a look every ``_RECHECK_S`` at whether
+    the channel can take the held text meanwhile (then it is flushed)."""
+    source = deltas.__aiter__()
+    upcoming: asyncio.Task[Delta | None] | None = None  # the engine's next delta while text is held
+    try:
+        while True:
+            if upcoming is None and not batcher.held:
+                try:
+                    delta = await source.__anext__()  # the client keeps up: as it always was
+                except StopAsyncIteration:
+                    return
+            else:
+                if upcoming is None:
+                    upcoming = asyncio.ensure_future(_next_delta(source))
+                done, _ = await asyncio.wait((upcoming,), timeout=_RECHECK_S if batcher.held else None)
+                if not done:
+                    if not backlogged(channel):
+                        await batcher.flush()
+                    continue
+                task, upcoming = upcoming, None
+                next_delta = task.result()
+                if next_delta is None:
+                    return
+                delta = next_delta
+            yield delta
+    finally:
+        if upcoming is not None:
+            if upcoming.done():
+                if not upcoming.cancelled():
+                    upcoming.exception()  # retrieved: the error that ends the stream is another one
+            else:
+                upcoming.cancel()  # the engine's generator sees the cancel, as in `async for`
 
 
 async def _next_delta(source: Any) -> Delta | None:
@@ -463,7 +475,7 @@ class _Batcher:
     held item), then meters every delta it stands for, per delta.
     """
 
-    __slots__ = ("channel", "wire", "frame", "meter", "held", "chars", "_open")
+    __slots__ = ("channel", "wire", "frame", "meter", "held", "chars", "deltas", "_open")
 
     def __init__(self, channel: Channel, wire: WireApi, frame: StreamFrame,
                  meter: Callable[[int], Any] | None) -> None:
@@ -473,6 +485,7 @@ class _Batcher:
         self.meter = meter
         self.held: list[_Held] = []
         self.chars = 0  # text held, in characters
+        self.deltas = 0  # deltas held
         self._open: dict[int, _Held] = {}  # choice index -> its held item that later text merges into
 
     async def put(self, sent: tuple[Delta, tuple[ToolCallPiece, ...]] | None, tokens: int) -> None:
@@ -486,7 +499,8 @@ class _Batcher:
                 self.meter(tokens)
             return
         self._hold(sent, tokens)
-        if self.chars >= _HOLD_CHARS or not backlogged(self.channel):
+        self.deltas += 1
+        if self.chars >= _HOLD_CHARS or self.deltas >= _HOLD_DELTAS or not backlogged(self.channel):
             await self.flush()
 
     def _hold(self, sent: tuple[Delta, tuple[ToolCallPiece, ...]] | None, tokens: int) -> None:
@@ -514,7 +528,7 @@ class _Batcher:
         """Send what is held (nothing: nothing happens), then meter it."""
         if not self.held:
             return
-        held, self.held, self.chars = self.held, [], 0
+        held, self.held, self.chars, self.deltas = self.held, [], 0, 0
         self._open.clear()
         wire, frame = self.wire, self.frame
         data = b"".join([wire.stream_delta(frame, item.delta, item.calls) for item in held])
