@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from multiprocessing.connection import wait
@@ -71,10 +72,14 @@ class ApiProcess:
         return node if self.index == 0 else f"{node}/api-{self.index}"
 
 
-def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engine: Any) -> int:
-    """Run ``count`` API processes until SIGTERM/SIGINT or until one exits; the exit status."""
+def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engine: Any,
+              listen: tuple[str, int]) -> int:
+    """Run ``count`` API processes until SIGTERM/SIGINT or until one exits; the exit status. ``listen``:
+    the config's address, which ``--port`` overrides; port 0 is resolved here, once, for all of them."""
     from zerolayer.runtime.scheduler.board import QuotaBoard
 
+    reserved = _reserve_port(listen[0], args.port if args.port is not None else listen[1])
+    args = argparse.Namespace(**{**vars(args), "port": reserved.getsockname()[1]})
     ctx = multiprocessing.get_context("spawn")
     board = QuotaBoard.create(count, context=ctx)
     sockets = tempfile.mkdtemp(prefix="zerolayer-api-")
@@ -104,6 +109,22 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
         if core is not None:
             core.shutdown(timeout=10)
         shutil.rmtree(sockets, ignore_errors=True)
+        reserved.close()
+
+
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound (not listening) to ``host:port`` with SO_REUSEPORT, so that port 0 becomes one port
+    every API process binds, and the port stays this node's while they start. It never accepts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeServerError(f"cannot bind {host}:{port} for the API processes: {exc}") from exc
+    return sock
 
 
 def _stop_on_signals() -> None:
