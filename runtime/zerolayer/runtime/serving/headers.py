@@ -69,27 +69,6 @@ def _bad(message: str) -> RequestRefused:
     return RequestRefused(ErrorCode.INVALID_REQUEST, message, reason="bad_header")
 
 
-def _deadline(raw_deadline: str | None, now_mono: float, now_wall_ns: int) -> float | None:
-    """The deadline header as monotonic seconds (absolute Unix nanoseconds, or nanoseconds from now)."""
-    if raw_deadline is None:
-        return None
-    try:
-        # 20 digits hold any sane Unix time in ns; longer is refused before int() does work on it.
-        nanos = int(raw_deadline) if len(raw_deadline) <= 20 else -1
-    except ValueError:
-        raise _bad(f"deadline must be an integer number of nanoseconds, got {raw_deadline[:40]!r}") from None
-    if nanos <= 0:
-        raise _bad("deadline must be a positive integer of at most 20 digits")
-    relative_ns = nanos - now_wall_ns if nanos >= contract.DEADLINE_ABSOLUTE_THRESHOLD_NS else nanos
-    if relative_ns > contract.MAX_DEADLINE_S * 1e9:
-        raise _bad(f"deadline is more than {contract.MAX_DEADLINE_S:g} s away")
-    deadline = now_mono + relative_ns / 1e9
-    if deadline <= now_mono:
-        raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline already passed on arrival",
-                             reason="deadline_on_arrival")
-    return deadline
-
-
 def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int,
                    required: Sequence[str] = (), default_priority: Priority = Priority.NORMAL) -> RequestContract:
     """Parse the contract; a field named in ``required`` (keys of REQUIRABLE) must be present (else 400).
@@ -107,7 +86,24 @@ def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int
     except ValueError as exc:
         raise _bad(str(exc)) from None
 
-    deadline = _deadline(first(headers, contract.DEADLINE_NANOS), now_mono, now_wall_ns)
+    deadline: float | None = None
+    raw_deadline = first(headers, contract.DEADLINE_NANOS)
+    if raw_deadline is not None:
+        try:
+            # 20 digits hold any sane Unix time in ns; longer is refused before int() does work on it.
+            nanos = int(raw_deadline) if len(raw_deadline) <= 20 else -1
+        except ValueError:
+            raise _bad(f"deadline must be an integer number of nanoseconds, got {raw_deadline[:40]!r}") from None
+        if nanos <= 0:
+            raise _bad("deadline must be a positive integer of at most 20 digits")
+        relative_ns = nanos - now_wall_ns if nanos >= contract.DEADLINE_ABSOLUTE_THRESHOLD_NS else nanos
+        if relative_ns > contract.MAX_DEADLINE_S * 1e9:
+            raise _bad(f"deadline is more than {contract.MAX_DEADLINE_S:g} s away")
+        deadline = now_mono + relative_ns / 1e9
+        if deadline <= now_mono:
+            raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline already passed on arrival",
+                                 reason="deadline_on_arrival")
+
     ttft: float | None = None
     raw_ttft = first(headers, contract.SLO_TTFT_MS)
     if raw_ttft is not None:
