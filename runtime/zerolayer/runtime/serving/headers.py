@@ -8,7 +8,6 @@ value, DEADLINE_EXCEEDED for a deadline already past on arrival).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Mapping, Sequence
 
@@ -29,10 +28,8 @@ class RequestContract:
 
     def effective_deadline(self, first_token_sent: bool) -> float | None:
         """The deadline the scheduler enforces now: the TTFT SLO counts only before the first token."""
-        ttft = None if first_token_sent else self.ttft_deadline
-        if ttft is None or self.deadline is None:
-            return self.deadline if ttft is None else ttft
-        return min(self.deadline, ttft)
+        candidates = [d for d in (self.deadline, None if first_token_sent else self.ttft_deadline) if d is not None]
+        return min(candidates) if candidates else None
 
 
 # Contract fields a deployment may make mandatory (``headers.required`` in the config).
@@ -43,18 +40,6 @@ REQUIRABLE: dict[str, tuple[str, ...]] = {
     "output_format": contract.OUTPUT_FORMAT,
     "deadline": contract.DEADLINE_NANOS,
 }
-
-
-# Every header name the contract reads: a request with none of them gets the default terms.
-CONTRACT_HEADERS = frozenset((*contract.SESSION, *contract.PRIORITY, *contract.MODEL_HINT, *contract.OUTPUT_FORMAT,
-                              *contract.DEADLINE_NANOS, *contract.SLO_TTFT_MS))
-
-
-@functools.lru_cache(maxsize=None, typed=True)  # typed: a plain int is not taken for its Priority
-def default_terms(priority: Priority) -> RequestContract:
-    """The terms of a request that sends no contract header (one shared, frozen instance per priority)."""
-    return RequestContract(priority=priority, priority_given=False, session=None, model_hint=None,
-                           output_format=None, deadline=None, ttft_deadline=None)
 
 
 def first(headers: Mapping[str, str], names: Sequence[str]) -> str | None:
@@ -73,8 +58,6 @@ def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int
                    required: Sequence[str] = (), default_priority: Priority = Priority.NORMAL) -> RequestContract:
     """Parse the contract; a field named in ``required`` (keys of REQUIRABLE) must be present (else 400).
     A request naming no priority gets ``default_priority`` (``priority_given`` False)."""
-    if not required and CONTRACT_HEADERS.isdisjoint(headers):
-        return default_terms(default_priority)  # most requests: no contract header to parse
     for field in required:
         if first(headers, REQUIRABLE[field]) is None:
             raise _bad(f"missing mandatory header {REQUIRABLE[field][0]} "
