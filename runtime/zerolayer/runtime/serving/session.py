@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import time
 import os
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncGenerator, Callable, Protocol
 
 from zerolayer.contract import ERRORS, ErrorCode, Priority
 from zerolayer.logformat import bind_request
@@ -408,7 +408,7 @@ _HOLD_CHARS = 512
 _HOLD_DELTAS = 64  # and past this many deltas (a delta may be one character)
 
 
-async def _paced(deltas: Any, batcher: "_Batcher", channel: Channel) -> AsyncIterator[Delta]:
+async def _paced(deltas: Any, batcher: "_Batcher", channel: Channel) -> AsyncGenerator[Delta, None]:
     """The engine's deltas, as ``async for`` takes them while the client keeps up. While text is held
     for a client that is behind, the next delta is awaited with a look every ``_RECHECK_S`` at whether
     the channel can take the held text meanwhile (then it is flushed)."""
