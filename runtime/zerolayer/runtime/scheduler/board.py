@@ -32,9 +32,7 @@ import hashlib
 import multiprocessing
 from typing import Any, Iterator
 
-from .api import TenantPolicy
-from .quota import (H_LIMIT_REQUESTS, H_LIMIT_TOKENS, H_REMAINING_REQUESTS, H_REMAINING_TOKENS, H_RESET_REQUESTS,
-                    H_RESET_TOKENS, QuotaLedger, QuotaVerdict, TenantLedger, _window_words, format_duration)
+from .quota import QuotaLedger, TenantLedger
 
 FIELDS = 3  # open streams, requests in window, tokens in window
 DEFAULT_CAPACITY = 8192
@@ -99,7 +97,7 @@ class QuotaBoard:
         return open_streams, requests, tokens
 
     def totals(self, tenant: str) -> tuple[int, int, int]:
-        """Node-wide (open streams, requests, tokens) of ``tenant`` as published (for tests and metrics)."""
+        """Node-wide (open streams, requests, tokens) of ``tenant`` as published (what tests read)."""
         with self.lock:
             return self.others(self.slot(tenant), -1)
 
@@ -132,9 +130,10 @@ class _PublishedLedger(TenantLedger):
 
 
 class SharedQuotaLedger(QuotaLedger):
-    """The :class:`QuotaLedger` of API process ``index`` of the board's N: its own charges, checked
-    and reported together with what the other processes published. The scheduler holds
-    :meth:`transaction` from check to charge (``MicroScheduler.admit``)."""
+    """The :class:`QuotaLedger` of API process ``index`` of the board's N: its own charges, publishing
+    them after every change; :meth:`QuotaLedger.check` and :meth:`QuotaLedger.headers` add what the
+    other processes published (:meth:`others`). The scheduler holds :meth:`transaction` from check to
+    charge (``MicroScheduler.admit``)."""
 
     def __init__(self, board: QuotaBoard, index: int, window_s: float = 60.0,
                  concurrency_retry_after_s: float = 1.0) -> None:
@@ -166,57 +165,12 @@ class SharedQuotaLedger(QuotaLedger):
         self.board.publish(self._slot(name), self.index, len(ledger.open_streams), ledger.requests_in_window(now),
                            ledger.tokens_in_window(now))
 
+    def others(self, tenant: str) -> tuple[int, int, int]:
+        """The other processes' published totals for ``tenant`` (the scheduler holds :meth:`transaction`)."""
+        return self.board.others(self._slot(tenant), self.index)
+
     def refresh(self, now: float) -> None:
         """Re-publish every tenant's totals (charges that left the window stop counting for the others)."""
         with self.board.lock:
             for name, ledger in self._tenants.items():
                 self._publish(name, ledger, now)
-
-    def check(self, policy: TenantPolicy, stream_key: str, tokens: int, now: float, *, new_request: bool
-              ) -> QuotaVerdict | None:
-        """:meth:`QuotaLedger.check` with the other processes' published totals added to this one's."""
-        ledger = self.tenant(policy.tenant)
-        o_open, o_requests, o_tokens = self.board.others(self._slot(policy.tenant), self.index)
-        window = _window_words(self.window_s)
-        if new_request:
-            limit = policy.max_concurrent_streams
-            if limit is not None and len(ledger.open_streams - {stream_key}) + o_open >= limit:
-                return QuotaVerdict("concurrency", f"tenant {policy.tenant!r} already has {limit} open streams "
-                                    "on this node (max_concurrent_streams)", self.concurrency_retry_after_s)
-            limit = policy.requests_per_minute
-            if limit is not None and limit <= 0:
-                return QuotaVerdict("requests", f"tenant {policy.tenant!r} may make no requests", None)
-            if limit is not None and ledger.requests_in_window(now) + o_requests + 1 > limit:
-                # When this process's own requests leave the window is known; the others' is not, so a
-                # refusal caused by them alone suggests the fixed pause of a concurrency refusal.
-                own = ledger.requests_retry_after(max(1, limit - o_requests), now) if o_requests < limit else 0.0
-                return QuotaVerdict("requests", f"tenant {policy.tenant!r} reached {limit} requests per {window}",
-                                    own or self.concurrency_retry_after_s)
-        limit = policy.tokens_per_minute
-        if limit is not None:
-            if tokens > limit:
-                return QuotaVerdict("request_too_large", f"request needs {tokens} tokens (prompt + max_tokens) but "
-                                    f"tenant {policy.tenant!r} may use {limit} per {window}; lower max_tokens", None)
-            need = tokens - ledger.charged(stream_key)
-            if ledger.tokens_in_window(now) + o_tokens + need > limit:
-                own = ledger.tokens_retry_after(need, max(need, limit - o_tokens), now) if o_tokens < limit else 0.0
-                return QuotaVerdict("tokens", f"tenant {policy.tenant!r} reached {limit} tokens per {window}",
-                                    own or self.concurrency_retry_after_s)
-        return None
-
-    def headers(self, policy: TenantPolicy, now: float) -> dict[str, str]:
-        """``x-ratelimit-*`` with the node-wide remaining counts; the reset times are this process's."""
-        ledger = self.tenant(policy.tenant)
-        _, o_requests, o_tokens = self.board.others(self._slot(policy.tenant), self.index)
-        out: dict[str, str] = {}
-        if policy.requests_per_minute is not None:
-            used = ledger.requests_in_window(now) + o_requests
-            out[H_LIMIT_REQUESTS] = str(policy.requests_per_minute)
-            out[H_REMAINING_REQUESTS] = str(max(0, policy.requests_per_minute - used))
-            out[H_RESET_REQUESTS] = format_duration(ledger.full_reset_after(now, tokens=False))
-        if policy.tokens_per_minute is not None:
-            used = ledger.tokens_in_window(now) + o_tokens
-            out[H_LIMIT_TOKENS] = str(policy.tokens_per_minute)
-            out[H_REMAINING_TOKENS] = str(max(0, policy.tokens_per_minute - used))
-            out[H_RESET_TOKENS] = format_duration(ledger.full_reset_after(now, tokens=True))
-        return out

@@ -22,7 +22,7 @@ import collections
 import contextlib
 import dataclasses
 import math
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 from zerolayer.contract import RATELIMIT_HEADERS
 
@@ -185,6 +185,20 @@ class QuotaLedger:
     def refresh(self, now: float) -> None:
         """Called on every telemetry sample; nothing to do for a ledger that shares nothing."""
 
+    def others(self, tenant: str) -> tuple[int, int, int]:
+        """What other API processes of this node hold for ``tenant``: (open streams, requests, tokens in
+        the window). None here; the node-wide ledger of several API processes reads its board (``board.py``)."""
+        return 0, 0, 0
+
+    def _retry_after(self, own_wait: Callable[[int], float], others: int, limit: int) -> float:
+        """A refusal's retry-after: when this ledger's own charges free room under ``limit`` less what
+        the others hold (``own_wait``). When the others leave the window is not known here, so a refusal
+        caused by them alone suggests the fixed pause of a concurrency refusal."""
+        if not others:
+            return own_wait(limit)
+        wait = own_wait(limit - others) if others < limit else 0.0
+        return wait or self.concurrency_retry_after_s
+
     def tenant(self, name: str) -> TenantLedger:
         ledger = self._tenants.get(name)
         if ledger is None:
@@ -199,40 +213,45 @@ class QuotaLedger:
         at HEADERS time: it is then not counted again against requests or concurrency.
         """
         ledger = self.tenant(policy.tenant)
+        o_open, o_requests, o_tokens = self.others(policy.tenant)
         window = _window_words(self.window_s)
         if new_request:
             limit = policy.max_concurrent_streams
-            if limit is not None and len(ledger.open_streams - {stream_key}) >= limit:
+            if limit is not None and len(ledger.open_streams - {stream_key}) + o_open >= limit:
                 return QuotaVerdict("concurrency", f"tenant {policy.tenant!r} already has {limit} open streams "
                                     "(max_concurrent_streams)", self.concurrency_retry_after_s)
             limit = policy.requests_per_minute
             if limit is not None and limit <= 0:
                 return QuotaVerdict("requests", f"tenant {policy.tenant!r} may make no requests", None)
-            if limit is not None and ledger.requests_in_window(now) + 1 > limit:
+            if limit is not None and ledger.requests_in_window(now) + o_requests + 1 > limit:
                 return QuotaVerdict("requests", f"tenant {policy.tenant!r} reached {limit} requests per {window}",
-                                    ledger.requests_retry_after(limit, now))
+                                    self._retry_after(lambda room: ledger.requests_retry_after(max(1, room), now),
+                                                      o_requests, limit))
         limit = policy.tokens_per_minute
         if limit is not None:
             if tokens > limit:
                 return QuotaVerdict("request_too_large", f"request needs {tokens} tokens (prompt + max_tokens) but "
                                     f"tenant {policy.tenant!r} may use {limit} per {window}; lower max_tokens", None)
             need = tokens - ledger.charged(stream_key)
-            if ledger.tokens_in_window(now) + need > limit:
+            if ledger.tokens_in_window(now) + o_tokens + need > limit:
                 return QuotaVerdict("tokens", f"tenant {policy.tenant!r} reached {limit} tokens per {window}",
-                                    ledger.tokens_retry_after(need, limit, now))
+                                    self._retry_after(lambda room: ledger.tokens_retry_after(need, max(need, room), now),
+                                                      o_tokens, limit))
         return None
 
     def headers(self, policy: TenantPolicy, now: float) -> dict[str, str]:
-        """OpenAI-style ``x-ratelimit-*`` headers for the limits this tenant has."""
+        """OpenAI-style ``x-ratelimit-*`` headers for the limits this tenant has: the remaining counts are
+        the node's (:meth:`others` included), the reset times this ledger's own."""
         ledger = self.tenant(policy.tenant)
+        _, o_requests, o_tokens = self.others(policy.tenant)
         out: dict[str, str] = {}
         if policy.requests_per_minute is not None:
-            used = ledger.requests_in_window(now)
+            used = ledger.requests_in_window(now) + o_requests
             out[H_LIMIT_REQUESTS] = str(policy.requests_per_minute)
             out[H_REMAINING_REQUESTS] = str(max(0, policy.requests_per_minute - used))
             out[H_RESET_REQUESTS] = format_duration(ledger.full_reset_after(now, tokens=False))
         if policy.tokens_per_minute is not None:
-            used = ledger.tokens_in_window(now)
+            used = ledger.tokens_in_window(now) + o_tokens
             out[H_LIMIT_TOKENS] = str(policy.tokens_per_minute)
             out[H_REMAINING_TOKENS] = str(max(0, policy.tokens_per_minute - used))
             out[H_RESET_TOKENS] = format_duration(ledger.full_reset_after(now, tokens=True))
