@@ -5,11 +5,8 @@ This module parses the flags; :mod:`zerolayer.runtime.compose` builds and orders
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
 import sys
-from typing import Any, Callable, Coroutine
 
 from zerolayer.runtime.errors import RuntimeServerError
 
