@@ -81,7 +81,6 @@ def test_runtime_with_one_forbidden_secret_starts_and_serves_the_healthy_tenants
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers())
     args = parser.parse_args(["runtime", "--node-name", "gpu-1", "--port", "0", "--tenant-namespace", "zerolayer"])
-    monkeypatch.setattr(cli.asyncio, "run", asyncio.run)
     assert cli.run(args) == 0, "the runtime exited at its first tenant sync"
     assert served == {"acme": "acme"}
 

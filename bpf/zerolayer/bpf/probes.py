@@ -4,7 +4,14 @@
 metering window (``window_s``, default 50 ms) has passed since the first of them, at once when
 ``emit`` runs outside an event loop, or early when many are pending. A window of 0 fires at the
 next event-loop iteration. Each request gets one event per window carrying all its tokens of that
-window; the event's id ``(runtime_id, seq)`` is given when it is fired. Firing does, in order:
+window; the event's id ``(runtime_id, seq)`` is given when it is fired.
+
+Inside an event loop, the window's end *seals* the pending events and they fire one callback later
+(``call_soon``). The runtime meters a piece right after handing it to its connection, whose write is
+then already scheduled (``flush_soon``); a callback scheduled after every metering call of a batch
+runs after every write those calls followed. So an event never fires before the bytes it meters were
+written to the socket: a runtime killed between the two cannot bill a token the client never got
+(tests/integration/audit/test_audit_end_to_end.py). Firing does, in order:
 
 1. fires the USDT probe ``zerolayer:tokens`` (bpf/_probes.c) once for the whole batch. With no
    auditor attached this is a nop instruction; attached, the kernel traps once and copies the
@@ -138,6 +145,7 @@ class TokenProbe:
         self.batches = 0  # batches fired (probe traps when attached)
         self.totals: dict[tuple[str, str], list[int]] = {}  # (tenant, model) -> [input, output, events, requests]
         self._pending: dict[tuple[str, str, str], list[int]] = {}  # (tenant, model, request) -> [in, out, flags]
+        self._sealed: list[dict[tuple[str, str, str], list[int]]] = []  # windows ended, firing one callback later
         self._lock = threading.Lock()
         self._usdt = usdt and _probes is not None
         self._batch: Any = _probes.Batch() if self._usdt else PyBatch()
@@ -173,44 +181,70 @@ class TokenProbe:
 
     def emit(self, tenant: str, request_id: str, model: str, input_tokens: int, output_tokens: int,
              first: bool = False) -> None:
-        """Meter tokens that just left for the client (fired with the window's other events)."""
+        """Meter tokens that were just handed to the client's connection (fired with the window's other
+        events, after the connection's write: see the module docstring)."""
         with self._lock:
             row = self._pending.get((tenant, model, request_id))
             if row is None:
                 self._pending[(tenant, model, request_id)] = [input_tokens, output_tokens, FLAG_FIRST if first else 0]
-                if len(self._pending) >= PENDING_MAX:
-                    self._fire_locked()
-                    return
+                full = len(self._pending) >= PENDING_MAX
             else:
                 row[0] += input_tokens
                 row[1] += output_tokens
                 if first:
                     row[2] |= FLAG_FIRST
-            if self._scheduled:
-                return
+                full = False
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 self._fire_locked()
                 return
+            if full:  # many requests pending: seal them now, fire at the next callback
+                self._sealed.append(self._pending)
+                self._pending = {}
+                loop.call_soon(self._fire_sealed)
+                return
+            if self._scheduled:
+                return
             self._scheduled = True
         if self.window_s:
-            loop.call_later(self.window_s, self.flush)
+            loop.call_later(self.window_s, self._seal)
         else:
-            loop.call_soon(self.flush)
+            loop.call_soon(self._seal)
 
     __call__ = emit
 
+    def _seal(self) -> None:
+        """The window ended: what is pending fires one callback later, after the writes it followed."""
+        with self._lock:
+            self._scheduled = False
+            if not self._pending:
+                return
+            self._sealed.append(self._pending)
+            self._pending = {}
+        asyncio.get_running_loop().call_soon(self._fire_sealed)
+
+    def _fire_sealed(self) -> None:
+        with self._lock:
+            sealed, self._sealed = self._sealed, []
+            for pending in sealed:
+                self._fire(pending)
+
     def flush(self) -> None:
-        """Fire the pending events now (the event loop calls this when the window has passed)."""
+        """Fire every event now, sealed or pending (a clean stop; outside the event loop's pacing)."""
         with self._lock:
             self._fire_locked()
 
     def _fire_locked(self) -> None:
         self._scheduled = False
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, {}
+        sealed, self._sealed = self._sealed, []
+        for pending in sealed:
+            self._fire(pending)
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            self._fire(pending)
+
+    def _fire(self, pending: dict[tuple[str, str, str], list[int]]) -> None:
         batch, totals, runtime_id = self._batch, self.totals, self.runtime_id
         now = time.time_ns()
         seq = self.seq

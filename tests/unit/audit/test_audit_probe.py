@@ -60,7 +60,7 @@ async def test_one_event_per_request_per_window(tmp_path):
         ("acme", 6, 2, 1), ("globex", 10, 1, 0)}
 
 
-async def test_window_zero_fires_at_the_next_iteration_and_many_requests_fire_early(tmp_path):
+async def test_window_zero_fires_two_callbacks_later_and_many_requests_fire_early(tmp_path):
     import asyncio
 
     from zerolayer.bpf.probes import PENDING_MAX
@@ -68,16 +68,43 @@ async def test_window_zero_fires_at_the_next_iteration_and_many_requests_fire_ea
     probe = TokenProbe(tmp_path, journal=True, window_s=0)
     probe.emit("acme", "r1", "tiny", 0, 1)
     probe.emit("acme", "r1", "tiny", 0, 1)
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the window ends (sealed)
+    assert probe.seq == 0
+    await asyncio.sleep(0)  # and fires one callback later
     assert (probe.seq, probe.batches) == (1, 1)
     slow = TokenProbe(tmp_path, journal=True, window_s=60)
     for i in range(PENDING_MAX):
         slow.emit("acme", f"r{i}", "tiny", 0, 1)
+    await asyncio.sleep(0)
     assert slow.seq == PENDING_MAX  # fired without waiting for the window
     events = [e for e in JournalSource(tmp_path).poll(0) if e.runtime_id == slow.runtime_id]
     assert [e.seq for e in events] == list(range(1, PENDING_MAX + 1))
     probe.close()
     slow.close()
+
+
+async def test_an_event_fires_after_the_writes_its_tokens_followed(tmp_path):
+    """The runtime meters a piece right after handing it to its connection, whose write is then scheduled
+    (``flush_soon``). Another connection's write may be scheduled after the first metering call started
+    the window; its tokens must still not fire before it ran, or a runtime killed in between bills tokens
+    the client never got (the audit proof's runtime kill)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    probe = TokenProbe(tmp_path, journal=True, window_s=0)  # a window's end seals the same way whatever its length
+    writes: list[tuple[str, int]] = []
+
+    def stream(name: str) -> None:
+        loop.call_soon(lambda: writes.append((name, probe.seq)))  # the connection's flush_soon
+        probe.emit("acme", name, "tiny", 0, 1)  # then the meter
+
+    stream("a")
+    stream("b")  # its write is scheduled after a's meter scheduled the window's end
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert writes == [("a", 0), ("b", 0)]
+    assert probe.seq == 2
+    probe.close()
 
 
 def test_oversized_event_is_refused_clearly():
