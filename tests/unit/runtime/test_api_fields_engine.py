@@ -3,6 +3,7 @@ structured outputs, forced tool calls, prefill) and the vLLM adapter's mapping t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -140,3 +141,52 @@ def test_vllm_sampling_params_carry_every_option():
 def test_vllm_refusing_a_value_is_input_rejected():
     with pytest.raises(InputRejected, match="top_p"):
         vllm_params(SamplingOptions(max_tokens=9, top_p=0.0))
+
+
+async def test_synthetic_final_only_gives_each_completion_whole_as_its_steps_would():
+    """A non-streamed request (``final_only``): one delta per completion, the same text, tokens,
+    logprobs, token ids and finish as its step-by-step deltas joined, with when its first token came."""
+    options = SamplingOptions(max_tokens=6, n=2, logprobs=1, stop=("zzz",))
+    steps, _ = await run(options)
+    whole, _ = await run(dataclasses.replace(options, final_only=True))
+    assert [d.index for d in whole] == [0, 1]
+    for d in whole:
+        mine = [s for s in steps if s.index == d.index]
+        assert d.text == "".join(s.text for s in mine) and d.token_count == sum(s.token_count for s in mine) == 6
+        assert d.logprobs == tuple(lp for s in mine for lp in s.logprobs)
+        assert d.token_ids == tuple(t for s in mine for t in s.token_ids)
+        assert (d.finish_reason, d.stop_sequence) == (mine[-1].finish_reason, mine[-1].stop_sequence)
+        assert d.first_token_at is not None and all(s.first_token_at is None for s in mine)
+
+
+async def test_synthetic_final_only_abort_gives_what_was_made_so_far():
+    import asyncio
+
+    engine = SyntheticEngine(output_tokens=50, tokens_per_second=200)
+    await engine.start()
+    prompt = await engine.render("synthetic", [ChatMessage("user", "hello")])
+    gen = engine.generate(prompt, SamplingOptions(max_tokens=50, final_only=True), "r", 0)
+    task = asyncio.ensure_future(gen.__anext__())
+    await asyncio.sleep(0.05)
+    await engine.abort("r")
+    delta = await task
+    assert delta.finish_reason == "abort" and 0 < delta.token_count < 50
+    assert len(delta.text.split()) == delta.token_count
+
+
+def test_a_request_not_streamed_asks_for_whole_completions():
+    from zerolayer.runtime.api.openai import parse
+
+    for stream in (False, True):
+        body = {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+        assert parse(json.dumps(body).encode()).sampling_options().final_only is (not stream)
+    assert "final_only" not in SamplingOptions(max_tokens=1, final_only=True).set_fields()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_vllm_final_only_is_vllm_serves_final_only_output():
+    from vllm.sampling_params import RequestOutputKind
+
+    assert vllm_params(SamplingOptions(max_tokens=2)).output_kind == RequestOutputKind.DELTA
+    assert vllm_params(SamplingOptions(max_tokens=2, final_only=True)).output_kind == RequestOutputKind.FINAL_ONLY

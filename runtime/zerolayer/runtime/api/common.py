@@ -75,7 +75,7 @@ class ChatRequest:
             seed=self.seed, top_k=self.top_k, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, logprobs=self.logprobs,
             n=self.n, structured=self.structured, tools=self.tool_use, ignore_eos=self.ignore_eos, echo=self.echo,
-            **(self.vllm_sampling or {}))
+            final_only=not self.stream, **(self.vllm_sampling or {}))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,12 +145,17 @@ class SamplingOptions:
     # Not sampling: the W3C ``traceparent`` of the request's span, set only when tracing is on. An engine
     # with request tracing of its own (vLLM) puts its spans under it; one without (synthetic) ignores it.
     traceparent: str | None = None
+    # Not sampling: the client takes the answer whole (not streamed), so the engine may give each
+    # completion as one delta at its end instead of one per step (vLLM's ``RequestOutputKind.FINAL_ONLY``,
+    # what vllm serve asks for a non-streamed request): no per-token objects on the serving path. That
+    # delta carries ``first_token_at``. An engine may also keep giving deltas step by step.
+    final_only: bool = False
 
     def set_fields(self) -> list[str]:
         """The sampling fields given a value other than their default (for an engine's "cannot honour"
-        check); ``traceparent`` is not one."""
+        check); ``traceparent`` and ``final_only`` are not ones."""
         return [f.name for f in dataclasses.fields(self)
-                if f.name not in ("max_tokens", "traceparent") and getattr(self, f.name) != f.default]
+                if f.name not in ("max_tokens", "traceparent", "final_only") and getattr(self, f.name) != f.default]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +185,9 @@ class Delta:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache (known with the first delta)
     # monotonic: when the engine first scheduled the request (on the first delta; vLLM's scheduled_ts)
     scheduled_at: float | None = None
+    # monotonic: when the first of its tokens was made, on a delta that stands for a whole completion
+    # (``SamplingOptions.final_only``; vLLM's first_token_ts): the time-to-first-token it measures
+    first_token_at: float | None = None
 
 
 def echo_deltas(prompt: "Prompt", options: SamplingOptions, first_index: int = 0) -> list[Delta]:

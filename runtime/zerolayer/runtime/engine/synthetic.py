@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import math
+import time
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from zerolayer.prefix import ServedPrefixes
@@ -171,6 +172,10 @@ class SyntheticEngine:
             logprobs = options.logprobs
             held = self._held
             pace = 1.0 / self.tokens_per_second if self.tokens_per_second else 0.0
+            if options.final_only:
+                async for delta in self._whole(outputs, longest, pace, logprobs, request_id):
+                    yield delta
+                return
             for step in range(longest):
                 if request_id in self._aborted:
                     for i in range(options.n):
@@ -192,6 +197,31 @@ class SyntheticEngine:
         finally:
             self._held.pop(request_id, None)
             self._aborted.discard(request_id)
+
+    async def _whole(self, outputs: list[tuple[list[str], str, str | None]], longest: int, pace: float,
+                     logprobs: int | None, request_id: str) -> AsyncIterator[Delta]:
+        """``final_only``: the same steps, paced and abortable, then each completion as one delta (an
+        abort gives what each had so far, finish ``abort``)."""
+        held, first, done = self._held, None, longest
+        if not pace and request_id not in self._aborted:  # nothing to wait for: no step can see an abort
+            first = time.monotonic()
+            held[request_id] += sum(len(words) for words, _, _ in outputs)
+        else:
+            for step in range(longest):
+                if request_id in self._aborted:
+                    done = step
+                    break
+                if step:
+                    await asyncio.sleep(pace)
+                if first is None:
+                    first = time.monotonic()
+                held[request_id] += sum(step < len(words) for words, _, _ in outputs)
+        for i, (words, finish, stop) in enumerate(outputs):
+            if done < longest:
+                words, finish, stop = words[:done], "abort", None
+            yield Delta("".join(words), len(words), finish, i, stop,
+                        tuple(self._logprob(w, logprobs) for w in words) if logprobs is not None else (),
+                        tuple(_token_id(w) for w in words), first_token_at=first if words else None)
 
     def _output(self, prompt: Prompt, options: SamplingOptions, index: int) -> tuple[list[str], str, str | None]:
         """Completion ``index``'s tokens (text pieces), finish reason and matched stop string."""

@@ -623,16 +623,11 @@ class VllmEngine:
                 lora_request=lora_request, trace_headers=trace_headers(options),
             ):
                 started = True
-                cached = getattr(out, "num_cached_tokens", None)
                 for completion in out.outputs:  # n > 1: each output is one completion's delta
                     delta = delta_of(completion, options.logprobs)
                     if completion.index not in seen:
                         seen.add(completion.index)
-                        if isinstance(cached, int):
-                            delta = dataclasses.replace(delta, cached_tokens=cached)
-                        scheduled = getattr(getattr(out, "metrics", None), "scheduled_ts", 0.0)
-                        if scheduled:  # engine core's time.monotonic(): the same clock as ours on one host
-                            delta = dataclasses.replace(delta, scheduled_at=scheduled)
+                        delta = first_delta(delta, out, options.final_only)
                     yield delta
         except asyncio.CancelledError:
             raise
@@ -717,7 +712,8 @@ def tool_schema(tool: ToolSpec) -> dict[str, Any]:
 
 
 def sampling_params(options: SamplingOptions) -> Any:
-    """vLLM's ``SamplingParams`` for ``options``: every field honoured, streamed as deltas. A value
+    """vLLM's ``SamplingParams`` for ``options``: every field honoured, streamed as deltas (or, with
+    ``final_only``, each completion whole at its end, as vllm serve asks for a non-streamed request). A value
     vLLM refuses (its own range checks) is the client's: :class:`InputRejected`."""
     import json
 
@@ -764,12 +760,25 @@ def sampling_params(options: SamplingOptions) -> Any:
             skip_special_tokens=options.skip_special_tokens,
             spaces_between_special_tokens=options.spaces_between_special_tokens,
             structured_outputs=structured,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.FINAL_ONLY if options.final_only else RequestOutputKind.DELTA,
         )
     except Exception as exc:
         if not _client_error(exc):
             raise
         raise InputRejected(f"vLLM refused the sampling settings: {str(exc)[:200]}") from exc
+
+
+def first_delta(delta: Delta, out: Any, final_only: bool) -> Delta:
+    """A completion's first delta with what vLLM reports once per request (``out``: its ``RequestOutput``):
+    the prompt's cached tokens, when the engine scheduled it and, for a whole completion
+    (``final_only``), when its first token was made."""
+    cached = getattr(out, "num_cached_tokens", None)
+    stats = getattr(out, "metrics", None)
+    scheduled = getattr(stats, "scheduled_ts", 0.0)  # engine core's time.monotonic(): our clock on one host
+    first_token = getattr(stats, "first_token_ts", 0.0) if final_only else 0.0
+    return dataclasses.replace(delta, cached_tokens=cached if isinstance(cached, int) else delta.cached_tokens,
+                               scheduled_at=scheduled or delta.scheduled_at,
+                               first_token_at=first_token or delta.first_token_at)
 
 
 def delta_of(completion: Any, logprobs: int | None) -> Delta:

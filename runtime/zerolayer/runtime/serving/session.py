@@ -208,6 +208,9 @@ class StreamSession:
             raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline passed before generation started",
                                  reason="deadline_before_start")
         options = request.sampling_options()
+        if options.final_only and self.contract.ttft_deadline is not None:
+            # a TTFT SLO is enforced until the first token: this request must see it come
+            options = dataclasses.replace(options, final_only=False)
         if self.trace is not None:  # an engine with tracing of its own (vLLM) puts its spans under ours
             options = dataclasses.replace(options, traceparent=self.trace.traceresponse())
         request_id = f"{self.wire.id_prefix}_{os.urandom(12).hex()}"  # 24 hex digits, as uuid4().hex[:24] was
@@ -247,7 +250,7 @@ class StreamSession:
 
     def _first_token(self, delta: Delta) -> None:
         self.first_token_sent = True
-        self.first_token_at = self.table.clock()
+        self.first_token_at = delta.first_token_at or self.table.clock()  # a whole completion says when
         if self.trace is not None:
             self.trace.first_token, self.trace.scheduled = self.first_token_at, delta.scheduled_at or 0.0
         self.table.metrics.ttft.observe(self.first_token_at - self.arrived)
