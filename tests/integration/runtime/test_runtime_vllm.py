@@ -140,3 +140,30 @@ async def test_vllm_gauges_on_metrics(vllm_runtime):
         text = (await http.get("/metrics")).text
     assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}' in text
     assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text
+
+
+async def test_a_cut_request_not_streamed_is_billed_what_vllm_made(vllm_runtime, monkeypatch):
+    """A request not streamed asks vLLM for FINAL_ONLY output (nothing until it ends). Cut mid-way, it is
+    billed the tokens vLLM made so far, read from vLLM's output processor (regression f27 on the real
+    engine), and largest-first preemption sees them while it runs."""
+    billed: list[tuple] = []
+    monkeypatch.setattr(vllm_runtime.app.sessions, "token_sink", lambda *record: billed.append(record))
+    body = chat_body(stream=False, max_tokens=900, model=MODEL)
+    async with H2Client(vllm_runtime.port) as client:
+        sid = await client.request("/v1/messages", body, {"x-api-key": KEY})
+
+        async def made(n: int) -> int:
+            while True:
+                for session in vllm_runtime.app.streams.values():
+                    if (so_far := session.running().tokens_so_far - session.prompt_tokens) >= n:
+                        return so_far
+                await asyncio.sleep(0.02)
+
+        seen = await asyncio.wait_for(made(5), 60)
+        assert client.streams[sid].status is None  # nothing answered yet: the completion comes whole
+        client.conn.reset_stream(sid)
+        await client.flush()
+    await asyncio.wait_for(_settled(vllm_runtime), 30)
+    assert len(billed) == 1, billed
+    output_tokens = billed[0][4]
+    assert seen <= output_tokens < 900

@@ -52,9 +52,9 @@ def test_requests_and_tokens_are_node_wide() -> None:
 def test_tokens_limit_and_remaining_header_count_every_process() -> None:
     board = QuotaBoard.create(2)
     a, b = scheduler(board, 0, tokens_per_minute=100), scheduler(board, 1, tokens_per_minute=100)
-    ok = a.admit(ticket("a1", 30), 1.0)  # reserves 60
+    ok = a.admit(ticket("a1", 30), 1.0, stage="body")  # reserves 60
     assert ok.admitted and ok.headers["x-ratelimit-remaining-tokens"] == "40"
-    seen = b.admit(ticket("b1", 15), 1.0)  # 30 more: 90 in all
+    seen = b.admit(ticket("b1", 15), 1.0, stage="body")  # 30 more: 90 in all
     assert seen.admitted and seen.headers["x-ratelimit-remaining-tokens"] == "10"
     refused = b.admit(ticket("b2", 10), 1.0)
     assert refused.reason == "tokens"

@@ -166,8 +166,8 @@ def test_settling_refunds_unused_tokens():
 
 def test_retry_after_for_requests_and_headers():
     sched = scheduler({"acme": TenantPolicy("acme", requests_per_minute=2, tokens_per_minute=1000)})
-    ok1 = sched.admit(ticket(key="a"), now=5.0)
-    ok2 = sched.admit(ticket(key="b"), now=20.0)
+    ok1 = sched.admit(ticket(key="a"), now=5.0, stage="body")
+    ok2 = sched.admit(ticket(key="b"), now=20.0, stage="body")  # the stage whose headers the response carries
     assert ok1.admitted and ok2.admitted
     assert ok2.headers["x-ratelimit-remaining-requests"] == "0"
     assert ok2.headers["x-ratelimit-remaining-tokens"] == str(1000 - 60)
@@ -179,6 +179,8 @@ def test_retry_after_for_requests_and_headers():
     assert refused.headers["x-ratelimit-limit-requests"] == "2"
     assert refused.headers["x-ratelimit-reset-requests"] == "58.5s"  # until the newest (t=20) leaves
     assert refused.headers["x-ratelimit-limit-tokens"] == "1000"
+    # an accepted HEADERS stage builds none: the response head waits for the body stage's
+    assert sched.admit(ticket(key="d"), now=130.0).headers == {}
 
 
 def test_concurrency_limit_and_release_on_settle():

@@ -149,3 +149,6 @@ class ModelRouter:
         for engine in self.engines:  # request ids are unique; an engine that never saw one ignores it
             await engine.abort(request_id)
 
+    def tokens_so_far(self, request_id: str) -> int:
+        return sum(engine.tokens_so_far(request_id) for engine in self.engines)  # one of them runs it
+

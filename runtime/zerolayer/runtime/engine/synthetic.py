@@ -73,6 +73,7 @@ class SyntheticEngine:
         self.max_model_len = max_model_len  # context size (prompt + output) in tokens; None: unbounded
         self._held: dict[str, int] = {}  # request_id -> tokens in the modelled KV cache
         self._aborted: set[str] = set()
+        self._made: dict[str, int] = {}  # request_id -> output tokens made, for final_only requests
         self._started = False
         # What it served, for the prefix-cache digest the node gossips (it models no cache of its own).
         # the gossiped digest's record, no larger than this engine's KV cache (docs/routing.md)
@@ -196,6 +197,7 @@ class SyntheticEngine:
                     yield Delta("", 0, finish, index=i, stop_sequence=stop)
         finally:
             self._held.pop(request_id, None)
+            self._made.pop(request_id, None)
             self._aborted.discard(request_id)
 
     async def _whole(self, outputs: list[tuple[list[str], str, str | None]], longest: int, pace: float,
@@ -207,6 +209,8 @@ class SyntheticEngine:
             first = time.monotonic()
             held[request_id] += sum(len(words) for words, _, _ in outputs)
         else:
+            made = self._made
+            made[request_id] = 0
             for step in range(longest):
                 if request_id in self._aborted:
                     done = step
@@ -215,13 +219,18 @@ class SyntheticEngine:
                     await asyncio.sleep(pace)
                 if first is None:
                     first = time.monotonic()
-                held[request_id] += sum(step < len(words) for words, _, _ in outputs)
+                tokens = sum(step < len(words) for words, _, _ in outputs)
+                held[request_id] += tokens
+                made[request_id] += tokens
         for i, (words, finish, stop) in enumerate(outputs):
             if done < longest:
                 words, finish, stop = words[:done], "abort", None
             yield Delta("".join(words), len(words), finish, i, stop,
                         tuple(self._logprob(w, logprobs) for w in words) if logprobs is not None else (),
                         tuple(_token_id(w) for w in words), first_token_at=first if words else None)
+
+    def tokens_so_far(self, request_id: str) -> int:
+        return self._made.get(request_id, 0)
 
     def _output(self, prompt: Prompt, options: SamplingOptions, index: int) -> tuple[list[str], str, str | None]:
         """Completion ``index``'s tokens (text pieces), finish reason and matched stop string."""

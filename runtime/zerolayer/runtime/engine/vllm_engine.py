@@ -640,6 +640,9 @@ class VllmEngine:
         if self._llm is not None:
             await self._llm.abort([request_id, *self._batches.get(request_id, ())])
 
+    def tokens_so_far(self, request_id: str) -> int:
+        return tokens_made(self._llm, (request_id, *self._batches.get(request_id, ())))
+
     def _vocab_size(self) -> int:
         model_config = getattr(self._llm, "model_config", None)
         return int(model_config.get_vocab_size()) if model_config is not None else 0
@@ -766,6 +769,20 @@ def sampling_params(options: SamplingOptions) -> Any:
         if not _client_error(exc):
             raise
         raise InputRejected(f"vLLM refused the sampling settings: {str(exc)[:200]}") from exc
+
+
+def tokens_made(llm: Any, request_ids: Sequence[str]) -> int:
+    """Output tokens vLLM's output processor has for these requests (every choice): a FINAL_ONLY request
+    sends nothing until it ends. 0 where vLLM's internals read otherwise than this version's
+    (``output_processor.external_req_ids``, ``request_states``)."""
+    processor = getattr(llm, "output_processor", None)
+    try:
+        states = processor.request_states  # type: ignore[union-attr]
+        return sum(state.detokenizer.num_output_tokens() for rid in request_ids
+                   for internal in processor.external_req_ids.get(rid, ())  # type: ignore[union-attr]
+                   if (state := states.get(internal)) is not None and state.detokenizer is not None)
+    except AttributeError:
+        return 0
 
 
 def first_delta(delta: Delta, out: Any, final_only: bool) -> Delta:

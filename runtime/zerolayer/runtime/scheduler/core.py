@@ -149,7 +149,9 @@ class MicroScheduler:
             self._streams[ticket.stream_key] = _Stream(ticket, reservation)
             self.metrics.count_admitted(ticket.priority, stage)
             self.metrics.open_streams.set(len(self._streams))
-            headers = self._state.ledger.headers(policy, now) if policy is not None else {}
+            # The response carries the body stage's x-ratelimit-* headers; an accepted HEADERS stage's are
+            # never answered (the response head waits for the body), so they are not built.
+            headers = self._state.ledger.headers(policy, now) if policy is not None and stage == "body" else {}
             return Admission(True, reservation, headers=headers, engine_priority=engine_priority)
 
     def settle(self, reservation: Reservation, used_tokens: int, now: float) -> None:

@@ -129,6 +129,7 @@ class StreamSession:
         self.first_token_at = 0.0  # monotonic, once first_token_sent
         self.prompt_tokens = 0
         self.output_tokens = 0
+        self.final_only = False  # the engine gives whole completions at their end (a request not streamed)
         self.preempted: tuple[ErrorCode, str] | None = None
         self.settled = False
         self.traceparent = admitted.traceparent
@@ -136,8 +137,13 @@ class StreamSession:
                       if table.tracer is not None else None)  # tracing off: nothing kept
 
     def running(self) -> RunningStream:
-        return RunningStream(self.key, self.ticket.priority, self.prompt_tokens + self.output_tokens,
+        return RunningStream(self.key, self.ticket.priority, self.prompt_tokens + self._made(),
                              self.contract.effective_deadline(self.first_token_sent))
+
+    def _made(self) -> int:  # output tokens made so far (final_only, still running: as the engine counts them)
+        if self.final_only and self.engine_request is not None:
+            return max(self.output_tokens, self.engine.tokens_so_far(self.engine_request))
+        return self.output_tokens
 
     # ------------------------------------------------------------------ the body arrived
     async def run(self, channel: Channel, body: bytes) -> None:
@@ -208,11 +214,11 @@ class StreamSession:
             raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline passed before generation started",
                                  reason="deadline_before_start")
         options = request.sampling_options()
-        if options.final_only and self.contract.ttft_deadline is not None:
-            # a TTFT SLO is enforced until the first token: this request must see it come
+        if options.final_only and self.contract.ttft_deadline is not None:  # a TTFT SLO waits for the 1st token
             options = dataclasses.replace(options, final_only=False)
         if self.trace is not None:  # an engine with tracing of its own (vLLM) puts its spans under ours
             options = dataclasses.replace(options, traceparent=self.trace.traceresponse())
+        self.final_only = options.final_only
         request_id = f"{self.wire.id_prefix}_{os.urandom(12).hex()}"  # 24 hex digits, as uuid4().hex[:24] was
         self.engine_request = request_id
         table.engine_requests_started += 1
@@ -259,10 +265,12 @@ class StreamSession:
                         head: list[tuple[str, str]]) -> None:
         try:
             answer = Assembler(frame.request, self.engine.parse_tool_calls)
+            made = 0
             async for delta in deltas:
                 if not self.first_token_sent and delta.token_count:
                     self._first_token(delta)
-                self.output_tokens += delta.token_count
+                made += delta.token_count  # and a cut may have read the engine's count already:
+                self.output_tokens = max(self.output_tokens, made)
                 answer.add(delta)
             body = self.wire.completion(frame, answer.choices(), self.prompt_tokens, self.output_tokens)
             await respond(channel, self.table.metrics, 200, [("content-type", "application/json"), *head], body,
@@ -375,7 +383,8 @@ class StreamSession:
         if self.task is not None and self.started:
             if self.task.cancelling():
                 return  # already being stopped (the peer's reset, then its FIN): one cancel is enough
-            self.task.cancel()  # its finally settles and aborts engine work
+            self.output_tokens = self._made()  # read before the cancel ends engine work; its finally settles
+            self.task.cancel()
         else:
             if self.task is not None:
                 self.task.cancel()  # never ran: the coroutine body (and its finally) will not run
@@ -387,6 +396,7 @@ class StreamSession:
             return False
         self.preempted = (code, reason)
         if self.task is not None and self.started:
+            self.output_tokens = self._made()  # whole completions: read before the cancel ends engine work
             self.task.cancel()
         else:
             # Body still arriving: nothing started. The transport answers when the body completes.
