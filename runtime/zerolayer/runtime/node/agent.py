@@ -92,12 +92,13 @@ def advertised_endpoint(base_url: str, host: str, port: int) -> str:
 
 def stream_uses(server: ServedNode) -> list[StreamUse]:
     """The server's open streams as the energy meter sees them (read from the sampling thread:
-    ``list()`` of the dict's values is one step under the GIL, and the fields are plain ints)."""
+    ``list()`` of the dict's values is one step under the GIL, and the fields are plain ints). A request
+    not streamed counts the tokens its engine has made so far (its completion comes whole at the end)."""
     out = []
     for stream in list(server.app.sessions.streams.values()):
         if stream.started and not stream.settled:
             out.append(StreamUse(stream.key, stream.ticket.tenant, stream.ticket.model,
-                                 stream.prompt_tokens + stream.output_tokens))
+                                 stream.prompt_tokens + stream.output_so_far()))
     return out
 
 
@@ -117,8 +118,9 @@ class NodeAgent:
 
     def __init__(self, *, gpu_source: GpuSource | None = None, node_name: str | None = None,
                  kubeconfig: str | None = None, advertise_endpoint: str | None = None,
-                 price_per_kwh: float = 0.15) -> None:
+                 price_per_kwh: float = 0.15, gossip: bool = True) -> None:
         self.node_name = node_name
+        self.gossip = gossip  # False: another API process of the node (process 0 gossips); it reads the map
         self.kubeconfig = kubeconfig
         self.advertise_endpoint = advertise_endpoint
         # The server samples through this wrapper: the agent sees each sample in the sampling thread.
@@ -137,7 +139,8 @@ class NodeAgent:
         return cls(gpu_source=gpu_source, node_name=getattr(args, "node_name", None) or None,
                    kubeconfig=getattr(args, "kubeconfig", None),
                    advertise_endpoint=getattr(args, "advertise_endpoint", None),
-                   price_per_kwh=float(os.environ.get("ZEROLAYER_ELECTRICITY_PRICE_PER_KWH", "0.15")))
+                   price_per_kwh=float(os.environ.get("ZEROLAYER_ELECTRICITY_PRICE_PER_KWH", "0.15")),
+                   gossip=getattr(args, "gossip", True))
 
     def extra_metrics(self) -> list[Callable[[], bytes]]:
         """Renderers for the server's ``/metrics``: gossip's (``zerolayer_gossip_*``, once it runs) and the
@@ -185,6 +188,10 @@ class NodeAgent:
         name = self.node_name
         if not name:
             return self
+        if not self.gossip:
+            self.watcher = self._fleet_watcher()
+            log.info("fleet map: watching InferenceNodes for alternatives (process 0 of %s gossips)", name)
+            return self
         try:
             self.api = await asyncio.to_thread(NodeApi, kubeconfig=self.kubeconfig)
         except KubeApiError as exc:
@@ -202,14 +209,18 @@ class NodeAgent:
             publisher.state.endpoint = advertised_endpoint(server.base_url, server.host, server.port)
         self.publisher = publisher
         publisher.start()
-        try:
-            # On demand: the map names alternatives on pressure refusals and answers the map endpoint;
-            # a node that does neither for MAP_IDLE_S closes its watch and receives no one's heartbeats.
-            self.watcher = GpuMapWatcher(kubeconfig=self.kubeconfig, on_demand_idle_s=MAP_IDLE_S).start()
-        except GpuMapError as exc:  # the map is for alternatives only: gossip still works without it
-            log.warning("no fleet map (alternatives disabled): %s", exc)
+        self.watcher = self._fleet_watcher()
         log.info("gossip: publishing to InferenceNode %s as %s", name, publisher.state.endpoint)
         return self
+
+    def _fleet_watcher(self) -> GpuMapWatcher | None:
+        """On demand: the map names alternatives on pressure refusals and answers the map endpoint; a
+        process that does neither for MAP_IDLE_S closes its watch and receives no one's heartbeats."""
+        try:
+            return GpuMapWatcher(kubeconfig=self.kubeconfig, on_demand_idle_s=MAP_IDLE_S).start()
+        except GpuMapError as exc:  # the map is for alternatives only: gossip still works without it
+            log.warning("no fleet map (alternatives disabled): %s", exc)
+            return None
 
     async def stop(self) -> None:
         if self.release is not None:

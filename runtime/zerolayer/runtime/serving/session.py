@@ -137,10 +137,10 @@ class StreamSession:
                       if table.tracer is not None else None)  # tracing off: nothing kept
 
     def running(self) -> RunningStream:
-        return RunningStream(self.key, self.ticket.priority, self.prompt_tokens + self._made(),
+        return RunningStream(self.key, self.ticket.priority, self.prompt_tokens + self.output_so_far(),
                              self.contract.effective_deadline(self.first_token_sent))
 
-    def _made(self) -> int:  # output tokens made so far (final_only, still running: as the engine counts them)
+    def output_so_far(self) -> int:  # output tokens made so far (final_only, running: as the engine counts them)
         if self.final_only and self.engine_request is not None:
             return max(self.output_tokens, self.engine.tokens_so_far(self.engine_request))
         return self.output_tokens
@@ -383,7 +383,7 @@ class StreamSession:
         if self.task is not None and self.started:
             if self.task.cancelling():
                 return  # already being stopped (the peer's reset, then its FIN): one cancel is enough
-            self.output_tokens = self._made()  # read before the cancel ends engine work; its finally settles
+            self.output_tokens = self.output_so_far()  # read before the cancel ends engine work; its finally settles
             self.task.cancel()
         else:
             if self.task is not None:
@@ -396,7 +396,7 @@ class StreamSession:
             return False
         self.preempted = (code, reason)
         if self.task is not None and self.started:
-            self.output_tokens = self._made()  # whole completions: read before the cancel ends engine work
+            self.output_tokens = self.output_so_far()  # whole completions: read before the cancel ends engine work
             self.task.cancel()
         else:
             # Body still arriving: nothing started. The transport answers when the body completes.
