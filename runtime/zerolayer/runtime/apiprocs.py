@@ -62,10 +62,11 @@ class ApiProcess:
         return {} if self.core_client is None else {"core_client": self.core_client}
 
     def agent_args(self, args: argparse.Namespace) -> argparse.Namespace:
-        """The node agent's flags: process 0 gossips the node's map; the others keep no gossip of their own."""
+        """The node agent's flags: process 0 gossips the node's status; the others do not, and read the
+        fleet map (on demand, for alternatives on their refusals) as process 0 does."""
         if self.index == 0:
             return args
-        return argparse.Namespace(**{**vars(args), "node_name": None})
+        return argparse.Namespace(**{**vars(args), "gossip": False})
 
     def claimant(self, node: str) -> str:
         """The name this process's fleet-quota claims go under: each process holds its own slice."""

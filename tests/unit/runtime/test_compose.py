@@ -147,3 +147,46 @@ async def test_a_server_that_cannot_start_is_not_stopped_and_the_probe_still_clo
             order.append("serving")
     assert order == ["probe.close"]
     await runtime.server.engine.close()
+
+
+async def test_api_processes_other_than_0_read_the_fleet_map_and_leave_gossip_to_process_0(monkeypatch):
+    """Issue 29: every API process names alternative nodes on its pressure refusals, so each reads the
+    fleet map (on demand, as process 0 does); only process 0 publishes the node's status."""
+    from types import SimpleNamespace
+
+    from zerolayer.runtime.apiprocs import ApiProcess
+    from zerolayer.runtime.engine.synthetic import SyntheticEngine
+    from zerolayer.runtime.node import agent as node_agent
+
+    watchers: list[dict] = []
+
+    class Watcher:  # stands in for the InferenceNode watch (a cluster; the e2e tier runs the real one)
+        def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            watchers.append(kwargs)
+
+        def start(self) -> "Watcher":
+            return self
+
+        def snapshot(self) -> str:
+            return "the fleet map"
+
+        def stop(self) -> None:
+            watchers.append({"stopped": True})
+
+    def no_status_writes(**kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("only process 0 writes the node's status")
+
+    monkeypatch.setattr(node_agent, "GpuMapWatcher", Watcher)
+    monkeypatch.setattr(node_agent, "NodeApi", no_status_writes)
+    args = cli_args("--node-name", "gpu-1", "--kubeconfig", "/none")
+    assert ApiProcess(0, 2, None, "").agent_args(args) is args
+    agent = node_agent.NodeAgent.from_args(ApiProcess(1, 2, None, "").agent_args(args), None)
+    assert (agent.node_name, agent.gossip) == ("gpu-1", False)
+    await agent.start(SimpleNamespace(engine=SyntheticEngine()))
+    try:
+        assert agent.publisher is None and agent.api is None
+        assert agent.fleet() == "the fleet map" and watchers == [{"kubeconfig": "/none", "on_demand_idle_s":
+                                                                   node_agent.MAP_IDLE_S}]
+    finally:
+        await agent.stop()
+    assert watchers[-1] == {"stopped": True}
