@@ -111,6 +111,24 @@ class Processes:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
+def auditor_starter(procs: Processes, source: str, spool: pathlib.Path, db: pathlib.Path) -> Any:
+    """A function that starts one more auditor (``auditor-1``, ``auditor-2``, ...) on ``spool`` into ``db`` and
+    returns its process once it reports its mode. bpf: only the pids this test's runtimes wrote to the spool."""
+    args = ["auditor", "--source", source, "--db", str(db), "--spool", str(spool),
+            "--flush-interval", "0.2", "--reconcile-interval", "1"]
+    if source == "bpf":
+        args.append("--pids-from-spool")  # only this test's runtimes, not other probe users
+    starts = iter(range(1, 100))
+
+    def start() -> subprocess.Popen[bytes]:
+        name = f"auditor-{next(starts)}"
+        proc = procs.start(name, *args)
+        wait_for_line(procs, name, f"zerolayer auditor: {source} mode", proc)
+        return proc
+
+    return start
+
+
 def wait_for_line(procs: Processes, name: str, needle: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while needle not in procs.log(name):

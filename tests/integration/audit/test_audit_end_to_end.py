@@ -22,11 +22,11 @@ from audit_helpers import (  # noqa: E402
     TENANTS,
     Ledger,
     Processes,
+    auditor_starter,
     bpf_skip_reason,
     free_port,
     vllm_skip_reason,
     load,
-    wait_for_line,
     wait_for_port,
     write_config,
 )
@@ -57,19 +57,8 @@ async def test_billed_equals_received_through_kills(tmp_path, source, engine, wi
                     "--audit-window-ms", str(window_ms)]
     if source == "journal":
         runtime_args.append("--audit-journal")
-    auditor_args = ["auditor", "--source", source, "--db", str(db), "--spool", str(spool),
-                    "--flush-interval", "0.2", "--reconcile-interval", "1"]
-    if source == "bpf":
-        auditor_args.append("--pids-from-spool")  # only this test's runtimes, not other probe users
+    start_auditor = auditor_starter(procs, source, spool, db)
     sleep = asyncio.sleep
-
-    starts = iter(range(1, 100))
-
-    def start_auditor():  # type: ignore[no-untyped-def]
-        name = f"auditor-{next(starts)}"
-        proc = procs.start(name, *auditor_args)
-        wait_for_line(procs, name, f"zerolayer auditor: {source} mode", proc)
-        return proc
 
     try:
         auditor = await asyncio.to_thread(start_auditor)
