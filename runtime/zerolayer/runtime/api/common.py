@@ -100,13 +100,16 @@ def invalid(message: str) -> RequestRefused:
 # A JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way a lone surrogate gets into a str.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _ASCII_COMPATIBLE = ("utf-8", "utf-8-sig")  # encodings json.detect_encoding names in which that pattern is found
+_DECODER = json.JSONDecoder()  # json.loads' own default decoder
 
 
 def load_json(body: bytes) -> dict[str, Any]:
     """The body as a JSON object, or INVALID_REQUEST: bad JSON, nesting deeper than the parser
     allows, or a lone surrogate escape (valid JSON, but not Unicode: it cannot be encoded)."""
+    # What json.loads(body) does, with the encoding found once (the surrogate check below needs it too).
+    encoding = json.detect_encoding(body)
     try:
-        data = json.loads(body)
+        data = _DECODER.decode(body.decode(encoding, "surrogatepass"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"body is not valid JSON: {exc}") from exc
     except RecursionError:
@@ -115,7 +118,7 @@ def load_json(body: bytes) -> dict[str, Any]:
         raise invalid("body must be a JSON object")
     # json.loads also takes UTF-16 and UTF-32 bodies, where the escape's bytes are not ASCII: walk
     # those always (found by tests/fuzz/test_fuzz_json.py).
-    suspect = json.detect_encoding(body) not in _ASCII_COMPATIBLE or _SURROGATE_ESCAPE.search(body)
+    suspect = encoding not in _ASCII_COMPATIBLE or _SURROGATE_ESCAPE.search(body)
     if suspect and not _encodable(data):
         raise invalid("body contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not text")
     return data
@@ -297,8 +300,13 @@ def stops(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+# One encoder for every answer: json.dumps with these options builds a new JSONEncoder per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact JSON as UTF-8: ``json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()``."""
+    return _ENCODER.encode(obj).encode()
 
 
 def sse(event: str | None, data: Any) -> bytes:

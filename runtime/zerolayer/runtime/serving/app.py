@@ -70,13 +70,14 @@ class Application:
         # ``map_document()`` gives the body of GET /v1/zerolayer/map (None: no map, 404); it reads a snapshot.
         self.map_document = map_document
         self.draining = False
-        self.admission = AdmissionGate(
-            engine=engine, scheduler=scheduler, tenants=tenants, metrics=metrics, limits=limits, clock=clock,
-            required_headers=required_headers, alternatives=alternatives, draining=lambda: self.draining,
-            metrics_on_serving_port=metrics_on_serving_port, demand=demand)
         self.sessions = SessionTable(engine=engine, scheduler=scheduler, metrics=metrics, clock=clock,
                                      token_sink=token_sink, alternatives=alternatives, demand=demand,
                                      tracer=tracer)
+        # An admitted chat request becomes its stream session in the gate's own Accept.
+        self.admission = AdmissionGate(
+            engine=engine, scheduler=scheduler, tenants=tenants, metrics=metrics, limits=limits, clock=clock,
+            required_headers=required_headers, alternatives=alternatives, draining=lambda: self.draining,
+            metrics_on_serving_port=metrics_on_serving_port, demand=demand, open_session=self.sessions.open)
         self.demand = demand  # gossiped as status.demand by the node agent
         self.created = int(time.time())
         self._models_document: tuple[tuple[str, ...], bytes] | None = None  # (served names, body)
@@ -84,12 +85,9 @@ class Application:
 
     # ------------------------------------------------------------------ what the transport calls
     def gate(self, conn_id: int, head: RequestHead, peer: str | None = None) -> Accept | Reject:
-        """Decide from the header block alone (never blocks, never sees the body)."""
-        verdict = self.admission.decide(conn_id, head, peer)
-        if isinstance(verdict, Accept) and verdict.context.ticket is not None:
-            session = self.sessions.open(verdict.context)
-            return Accept(verdict.max_body, session, owner=verdict.owner)
-        return verdict
+        """Decide from the header block alone (never blocks, never sees the body); an admitted chat
+        request's context is its :class:`StreamSession`, opened by the gate."""
+        return self.admission.decide(conn_id, head, peer)
 
     async def serve(self, channel: Channel, ready: RequestReady) -> None:
         """Answer an accepted request whose body is complete. A bug answers 500 (or resets), never

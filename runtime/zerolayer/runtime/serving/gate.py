@@ -6,7 +6,8 @@ the per-address authentication throttle, the tenant (API-key hash), the header c
 model hint, the declared size, and the scheduler's ``admit(stage="headers")``. It returns
 ``Reject`` (an error response from the contract table) or ``Accept`` whose ``context`` is an
 :class:`Admitted` — the route, and for chat routes the tenant, terms, ticket and reservation the
-stream session starts from.
+stream session starts from. Given ``open_session`` (the application passes its session table's
+``open``), an admitted chat request's ``context`` is the session opened from that :class:`Admitted`.
 
 To add a route: a row in :data:`ROUTES` (its kind says whether it needs a key and whether it is
 admitted like a chat request), and its handler in :class:`zerolayer.runtime.serving.app.Application`.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from zerolayer import contract
 from zerolayer.contract import ERRORS, ErrorCode, Priority
@@ -133,13 +134,15 @@ class AdmissionGate:
 
     ``alternatives(session)`` gives the ALTERNATIVES header value for a pressure refusal (None:
     no header); ``draining()`` is true once the node is shutting down. Neither may block.
+    ``open_session(admitted)``: what an admitted chat request's ``Accept.context`` is (the
+    application's stream session; by default the :class:`Admitted` itself).
     """
 
     def __init__(self, *, engine: Engine, scheduler: Scheduler, tenants: TenantDirectory, metrics: RuntimeMetrics,
                  limits: Limits, clock: Callable[[], float] = time.monotonic, required_headers: Sequence[str] = (),
                  alternatives: Callable[[str | None], str | None] | None = None,
                  draining: Callable[[], bool] = lambda: False, metrics_on_serving_port: bool = True,
-                 demand: DemandLedger | None = None) -> None:
+                 demand: DemandLedger | None = None, open_session: Callable[[Admitted], Any] | None = None) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.tenants = tenants
@@ -150,6 +153,7 @@ class AdmissionGate:
         self.alternatives = alternatives
         self.draining = draining
         self.demand = demand  # requests for models not served here, gossiped (demand.py)
+        self.open_session = open_session
         # False when metrics have their own listener (``--metrics-port``): the serving port, which every
         # tenant namespace reaches, then answers /metrics with 404 (per-tenant usage is not theirs to read).
         self.metrics_on_serving_port = metrics_on_serving_port
@@ -191,12 +195,14 @@ class AdmissionGate:
                 return Accept(self.limits.max_body_bytes, Admitted(route, tenant=tenant), owner=tenant.name)
             return Accept(0, Admitted(route, tenant=tenant))
         try:
-            admitted = self._admit(conn_id, route, tenant, head)
+            admitted = self._admit(conn_id, route, tenant, head, traceparent)
         except RequestRefused as refused:
             return self.reject(route, refused, traceparent)
-        return Accept(self.limits.max_body_bytes, admitted, owner=tenant.name)
+        context = admitted if self.open_session is None else self.open_session(admitted)
+        return Accept(self.limits.max_body_bytes, context, owner=tenant.name)
 
-    def _admit(self, conn_id: int, route: Route, tenant: Tenant, head: RequestHead) -> Admitted:
+    def _admit(self, conn_id: int, route: Route, tenant: Tenant, head: RequestHead,
+               traceparent: str | None) -> Admitted:
         now = self.clock()
         key = stream_key(conn_id, head.stream_id)
         if self.draining():
@@ -230,7 +236,7 @@ class AdmissionGate:
         if not admission.admitted:
             raise refusal(admission, terms.session, self.alternatives)
         return Admitted(route, key, conn_id, tenant, terms, ticket, admission.reservation, now, self.clock(),
-                        head.headers.get("traceparent"))
+                        traceparent)
 
     def reject(self, route: Route, refused: RequestRefused, traceparent: str | None = None) -> Reject:
         """Count the refusal and build its response (answered by the core; the body is discarded). No span

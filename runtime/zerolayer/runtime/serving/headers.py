@@ -8,6 +8,7 @@ value, DEADLINE_EXCEEDED for a deadline already past on arrival).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -28,8 +29,10 @@ class RequestContract:
 
     def effective_deadline(self, first_token_sent: bool) -> float | None:
         """The deadline the scheduler enforces now: the TTFT SLO counts only before the first token."""
-        candidates = [d for d in (self.deadline, None if first_token_sent else self.ttft_deadline) if d is not None]
-        return min(candidates) if candidates else None
+        ttft = None if first_token_sent else self.ttft_deadline
+        if ttft is None or self.deadline is None:
+            return self.deadline if ttft is None else ttft
+        return min(self.deadline, ttft)
 
 
 # Contract fields a deployment may make mandatory (``headers.required`` in the config).
@@ -40,6 +43,18 @@ REQUIRABLE: dict[str, tuple[str, ...]] = {
     "output_format": contract.OUTPUT_FORMAT,
     "deadline": contract.DEADLINE_NANOS,
 }
+
+
+# Every header name the contract reads: a request with none of them gets the default terms.
+CONTRACT_HEADERS = frozenset((*contract.SESSION, *contract.PRIORITY, *contract.MODEL_HINT, *contract.OUTPUT_FORMAT,
+                              *contract.DEADLINE_NANOS, *contract.SLO_TTFT_MS))
+
+
+@functools.lru_cache(maxsize=None, typed=True)  # typed: a plain int is not taken for its Priority
+def default_terms(priority: Priority) -> RequestContract:
+    """The terms of a request that sends no contract header (one shared, frozen instance per priority)."""
+    return RequestContract(priority=priority, priority_given=False, session=None, model_hint=None,
+                           output_format=None, deadline=None, ttft_deadline=None)
 
 
 def first(headers: Mapping[str, str], names: Sequence[str]) -> str | None:
@@ -54,10 +69,33 @@ def _bad(message: str) -> RequestRefused:
     return RequestRefused(ErrorCode.INVALID_REQUEST, message, reason="bad_header")
 
 
+def _deadline(raw_deadline: str | None, now_mono: float, now_wall_ns: int) -> float | None:
+    """The deadline header as monotonic seconds (absolute Unix nanoseconds, or nanoseconds from now)."""
+    if raw_deadline is None:
+        return None
+    try:
+        # 20 digits hold any sane Unix time in ns; longer is refused before int() does work on it.
+        nanos = int(raw_deadline) if len(raw_deadline) <= 20 else -1
+    except ValueError:
+        raise _bad(f"deadline must be an integer number of nanoseconds, got {raw_deadline[:40]!r}") from None
+    if nanos <= 0:
+        raise _bad("deadline must be a positive integer of at most 20 digits")
+    relative_ns = nanos - now_wall_ns if nanos >= contract.DEADLINE_ABSOLUTE_THRESHOLD_NS else nanos
+    if relative_ns > contract.MAX_DEADLINE_S * 1e9:
+        raise _bad(f"deadline is more than {contract.MAX_DEADLINE_S:g} s away")
+    deadline = now_mono + relative_ns / 1e9
+    if deadline <= now_mono:
+        raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline already passed on arrival",
+                             reason="deadline_on_arrival")
+    return deadline
+
+
 def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int,
                    required: Sequence[str] = (), default_priority: Priority = Priority.NORMAL) -> RequestContract:
     """Parse the contract; a field named in ``required`` (keys of REQUIRABLE) must be present (else 400).
     A request naming no priority gets ``default_priority`` (``priority_given`` False)."""
+    if not required and CONTRACT_HEADERS.isdisjoint(headers):
+        return default_terms(default_priority)  # most requests: no contract header to parse
     for field in required:
         if first(headers, REQUIRABLE[field]) is None:
             raise _bad(f"missing mandatory header {REQUIRABLE[field][0]} "
@@ -69,24 +107,7 @@ def parse_contract(headers: Mapping[str, str], now_mono: float, now_wall_ns: int
     except ValueError as exc:
         raise _bad(str(exc)) from None
 
-    deadline: float | None = None
-    raw_deadline = first(headers, contract.DEADLINE_NANOS)
-    if raw_deadline is not None:
-        try:
-            # 20 digits hold any sane Unix time in ns; longer is refused before int() does work on it.
-            nanos = int(raw_deadline) if len(raw_deadline) <= 20 else -1
-        except ValueError:
-            raise _bad(f"deadline must be an integer number of nanoseconds, got {raw_deadline[:40]!r}") from None
-        if nanos <= 0:
-            raise _bad("deadline must be a positive integer of at most 20 digits")
-        relative_ns = nanos - now_wall_ns if nanos >= contract.DEADLINE_ABSOLUTE_THRESHOLD_NS else nanos
-        if relative_ns > contract.MAX_DEADLINE_S * 1e9:
-            raise _bad(f"deadline is more than {contract.MAX_DEADLINE_S:g} s away")
-        deadline = now_mono + relative_ns / 1e9
-        if deadline <= now_mono:
-            raise RequestRefused(ErrorCode.DEADLINE_EXCEEDED, "deadline already passed on arrival",
-                                 reason="deadline_on_arrival")
-
+    deadline = _deadline(first(headers, contract.DEADLINE_NANOS), now_mono, now_wall_ns)
     ttft: float | None = None
     raw_ttft = first(headers, contract.SLO_TTFT_MS)
     if raw_ttft is not None:
