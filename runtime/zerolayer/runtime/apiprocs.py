@@ -37,6 +37,7 @@ from multiprocessing.connection import wait
 from typing import Any, Iterator
 
 from zerolayer.runtime.errors import RuntimeServerError
+from zerolayer.runtime.serving.handoff import Acceptor, channel_pair
 
 log = logging.getLogger("zerolayer.runtime.apiprocs")
 
@@ -50,6 +51,19 @@ class ApiProcess:
     board: Any  # scheduler.board.QuotaBoard
     metrics_socket: str
     core_client: Any = None  # engine.shared_core.CoreClient, for a vLLM engine
+    # server.connection_balance exact: this process's end of the acceptor's channel, and the shared
+    # count of connections each process has closed (serving/handoff.py); None with kernel balance.
+    channel: socket.socket | None = None
+    closed: Any = None
+
+    def handoff(self) -> Any:
+        """Where this process's connections come from: the parent's acceptor (exact balance), or None
+        (kernel balance: it binds the shared port with SO_REUSEPORT)."""
+        if self.channel is None:
+            return None
+        from zerolayer.runtime.serving.handoff import HandoffReceiver
+
+        return HandoffReceiver(self.channel, self.closed, self.index)
 
     def ledger(self, config: Any) -> Any:
         """This process's view of the node's tenant quotas."""
@@ -74,15 +88,21 @@ class ApiProcess:
 
 
 def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engine: Any,
-              listen: tuple[str, int]) -> int:
+              listen: tuple[str, int], balance: str = "exact") -> int:
     """Run ``count`` API processes until SIGTERM/SIGINT or until one exits; the exit status. ``listen``:
-    the config's address, which ``--port`` overrides; port 0 is resolved here, once, for all of them."""
+    the config's address, which ``--port`` overrides; port 0 is resolved here, once, for all of them.
+    ``balance`` (``server.connection_balance``): ``exact``, this process accepts and hands each
+    connection to the API process with the fewest open ones; ``kernel``, each binds the port
+    (SO_REUSEPORT) and the kernel's hash spreads them."""
     from zerolayer.runtime.scheduler.board import QuotaBoard
 
     reserved = _reserve_port(listen[0], args.port if args.port is not None else listen[1])
     args = argparse.Namespace(**{**vars(args), "port": reserved.getsockname()[1]})
     ctx = multiprocessing.get_context("spawn")
     board = QuotaBoard.create(count, context=ctx)
+    channels = [channel_pair() for _ in range(count)] if balance == "exact" else []
+    closed: Any = ctx.RawArray("Q", count) if channels else None
+    acceptor = None
     sockets = tempfile.mkdtemp(prefix="zerolayer-api-")
     paths = [os.path.join(sockets, f"metrics-{i}.sock") for i in range(count)]
     _stop_on_signals()
@@ -91,14 +111,19 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
     try:
         with _engine_core(engine_kind, build_engine, count) as (core, clients, launched):
             for i in range(count):
-                api = ApiProcess(i, count, board, paths[i], clients[i] if clients else None)
+                api = ApiProcess(i, count, board, paths[i], clients[i] if clients else None,
+                                 channels[i][1] if channels else None, closed)
                 procs.append(ctx.Process(target=child_main, args=(args, api), name=f"zerolayer-api-{i}"))
                 procs[-1].start()
+            for _, theirs in channels:
+                theirs.close()  # each process has its own copy now
             if launched is not None:
                 launched.watched_frontend_processes = procs  # an API process that dies aborts the engine's start
         print(f"zerolayer runtime: {count} API processes (pids {', '.join(str(p.pid) for p in procs)})"
               + (", one vLLM engine core" if core is not None else ""), flush=True)
         _metrics_thread(args.metrics_port, paths)
+        if channels:
+            acceptor = Acceptor(reserved, [ours for ours, _ in channels], closed).start()
         return _watch(procs, core.sentinels() if core is not None else [])
     except SystemExit:
         return 0
@@ -106,6 +131,8 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
         print(f"zerolayer runtime: {exc}", file=sys.stderr)
         return 2
     finally:
+        if acceptor is not None:
+            acceptor.stop()  # no new connections; the processes drain the ones they hold
         _stop_all(procs)
         if core is not None:
             core.shutdown(timeout=10)

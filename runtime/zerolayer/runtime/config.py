@@ -46,6 +46,7 @@ class RuntimeConfig:
     tracing: "TracingSettings | None" = None  # telemetry.tracing: OpenTelemetry spans over OTLP; None: off
     server_core: str = "python"  # server.core: the protocol cores, "python" (h2conn, h1conn) or "native" (Rust h2, llhttp)
     api_processes: int = 1  # server.api_processes: processes serving the port, sharing one engine core and one quota board
+    connection_balance: str = "exact"  # server.connection_balance: how API processes share connections (serving/handoff.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +173,6 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         raise ConfigError("telemetry.sample_interval_ms: expected a positive number")
     server = _mapping(data.get("server"), "server")
     server_core = parse_server_core(server)
-    api_processes = parse_api_processes(server, engines, "engines" in data)
     return RuntimeConfig(
         host=str(listen.get("host", "127.0.0.1")),
         port=port,
@@ -190,7 +190,8 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         reuse_port=reuse_port,
         tracing=parse_tracing(telemetry.get("tracing")),
         server_core=server_core,
-        api_processes=api_processes,
+        api_processes=parse_api_processes(server, engines, "engines" in data),
+        connection_balance=parse_connection_balance(server),
     )
 
 
@@ -199,9 +200,9 @@ SERVER_CORES = ("python", "native")
 
 def parse_server_core(server: Mapping[str, Any]) -> str:
     """``server.core``: which HTTP/2 core serves h2 connections (docs/server-core.md, "The native core")."""
-    unknown = sorted(set(server) - {"core", "api_processes"})
+    unknown = sorted(set(server) - {"core", "api_processes", "connection_balance"})
     if unknown:
-        raise ConfigError(f"server: unknown keys {', '.join(unknown)} (known: core, api_processes)")
+        raise ConfigError(f"server: unknown keys {', '.join(unknown)} (known: core, api_processes, connection_balance)")
     core = server.get("core", "python")
     if core not in SERVER_CORES:
         raise ConfigError(f"server.core: one of {', '.join(SERVER_CORES)}, got {core!r}")
@@ -227,6 +228,18 @@ def parse_api_processes(server: Mapping[str, Any], engines: Sequence[Mapping[str
         raise ConfigError("server.api_processes > 1 serves one engine (one vLLM engine core shared by the API "
                           "processes); this config lists engines: — use engine:, or one API process")
     return count
+
+
+def parse_connection_balance(server: Mapping[str, Any]) -> str:
+    """``server.connection_balance``: how API processes share the port's connections (docs/api-processes.md):
+    ``exact`` (the parent accepts and hands each to the process with the fewest open ones) or ``kernel``
+    (SO_REUSEPORT's hash). One API process takes every connection either way."""
+    from zerolayer.runtime.serving.handoff import BALANCES
+
+    balance = server.get("connection_balance", "exact")
+    if balance not in BALANCES:
+        raise ConfigError(f"server.connection_balance: one of {', '.join(BALANCES)}, got {balance!r}")
+    return str(balance)
 
 
 def parse_engines(data: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:

@@ -25,10 +25,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_config(tmp: pathlib.Path, engine: dict, port: int, **tenant_limits: int) -> pathlib.Path:
+def write_config(tmp: pathlib.Path, engine: dict, port: int, server: dict | None = None,
+                 **tenant_limits: int) -> pathlib.Path:
     config = {"listen": {"host": "127.0.0.1", "port": port}, "engine": engine,
               "tenants": [{"name": "acme", "keys": [{"sha256": hashlib.sha256(KEY.encode()).hexdigest()}],
-                           **tenant_limits}]}
+                           **tenant_limits}], **({"server": server} if server else {})}
     path = tmp / "node.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

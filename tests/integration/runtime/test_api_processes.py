@@ -13,9 +13,12 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
+
+import httpx
 
 import pytest
-from apiprocs_helpers import REPO, Node, chat_counts, free_port, post, write_config
+from apiprocs_helpers import BODY, KEY, REPO, Node, chat_counts, free_port, post, write_config
 
 @pytest.mark.integration
 @pytest.mark.timeout(180)
@@ -45,6 +48,52 @@ def test_a_tenants_concurrency_holds_across_processes_and_the_node_stops_cleanly
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_exact_balance_gives_each_process_one_of_two_http2_clients(tmp_path) -> None:
+    """Two HTTP/2 clients, each keeping one connection for all its requests (as the SDK and the official
+    SDKs with http2=True do): with ``server.connection_balance: exact`` (the default) the parent hands
+    the second connection to the process without one, every time; with the kernel's SO_REUSEPORT hash
+    both land on one process half the time, so this fails there about once in two runs."""
+    port = free_port()
+    node = Node(write_config(tmp_path, {"kind": "synthetic", "output_tokens": 4}, port), port, 2)
+    try:
+        for round_ in range(3):
+            clients = [httpx.Client(http1=False, http2=True, timeout=60) for _ in range(2)]
+            try:
+                for client in clients:
+                    for _ in range(5):
+                        response = client.post(node.url + "/v1/chat/completions", json=BODY,
+                                               headers={"authorization": f"Bearer {KEY}"})
+                        assert response.status_code == 200 and response.http_version == "HTTP/2"
+                before = chat_counts(node.metrics())
+            finally:
+                for client in clients:
+                    client.close()
+            assert before == {"0": 5.0 * (round_ + 1), "1": 5.0 * (round_ + 1)}, before
+            # the closed connections are counted out before the next round's are handed over
+            time.sleep(0.3)
+    finally:
+        assert node.stop() == 0, node.output()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_kernel_balance_still_serves_on_every_process(tmp_path) -> None:
+    port = free_port()
+    config = write_config(tmp_path, {"kind": "synthetic", "output_tokens": 4}, port,
+                          server={"connection_balance": "kernel"})
+    node = Node(config, port, 2)
+    try:
+        for _ in range(60):
+            if len(chat_counts(node.metrics())) == 2:
+                break
+            assert post(node.url).status_code == 200
+        assert set(chat_counts(node.metrics())) == {"0", "1"}
+    finally:
+        assert node.stop() == 0, node.output()
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_one_api_process_dying_stops_the_node(tmp_path) -> None:
     port = free_port()
@@ -65,3 +114,7 @@ def test_refused_configs_name_the_field(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "zerolayer.cli", "runtime", "--config", str(config),
                           "--api-processes", "0"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2 and "server.api_processes: an integer from 1 to 64" in out.stderr
+    config = write_config(tmp_path, {"kind": "synthetic"}, free_port(), server={"connection_balance": "random"})
+    out = subprocess.run([sys.executable, "-m", "zerolayer.cli", "runtime", "--config", str(config),
+                          "--api-processes", "2"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 2 and "server.connection_balance: one of exact, kernel, got 'random'" in out.stderr

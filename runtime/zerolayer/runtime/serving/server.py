@@ -21,6 +21,7 @@ from zerolayer.contract import ErrorCode
 from zerolayer.gpumap import FleetMap, alternatives_header, render_map_document
 from zerolayer.runtime.serving.app import Application
 from zerolayer.runtime.serving.demand import DemandLedger
+from zerolayer.runtime.serving.handoff import HandoffReceiver
 from zerolayer.runtime.engine.base import Engine
 from zerolayer.runtime.errors import ConfigError
 from zerolayer.runtime.gpu.api import GpuReading, GpuSource, GpuSourceError
@@ -75,7 +76,8 @@ class RuntimeServer:
     non-blocking GPU-map snapshot (the node agent's) that gives alternatives on pressure
     refusals and ``GET /v1/zerolayer/map``, ``self_name`` being this node's name in it; ``clock``
     (monotonic seconds) is what admission, throttling and sessions read.
-    ``reuse_port`` sets SO_REUSEPORT so several runtime processes can share ``port``. Each
+    ``reuse_port`` sets SO_REUSEPORT so several runtime processes can share ``port``; ``handoff``
+    instead takes connections the parent accepted (API processes with exact balance, handoff.py). Each
     connection is given :attr:`context` (:class:`~zerolayer.runtime.serving.transport.ConnectionContext`),
     not the server.
     """
@@ -95,6 +97,7 @@ class RuntimeServer:
         required_headers: Sequence[str] = (),
         metrics_on_serving_port: bool = True,
         reuse_port: bool = False,
+        handoff: HandoffReceiver | None = None,
         server_core: str = "python",
         token_sink: TokenSink | None = None,
         extra_metrics: Sequence[Callable[[], bytes]] = (),
@@ -115,7 +118,7 @@ class RuntimeServer:
         self.last_pressure: Pressure | None = None
         self.last_readings: Sequence[GpuReading] = ()  # the last good GPU sample (zerolayer_gpu_* gauges)
         self.metrics = self._runtime_metrics()
-        self.reuse_port = reuse_port
+        self.reuse_port, self.handoff = reuse_port, handoff  # how connections come: a listener, or handed over
         extra = getattr(scheduler, "registry", None)
         renderers = [lambda: self.metrics.render_registry(extra)] if extra is not None else []
         alternatives, map_document = fleet_views(fleet, self_name)
@@ -135,7 +138,7 @@ class RuntimeServer:
             peers=PeerLedger(self.limits),  # connection caps
             body_budget=BodyBudget.from_limits(self.limits),  # request bodies buffered, all connections
             metrics=self.metrics, draining=lambda: self.draining,
-            server_core=server_core)  # server.core: the protocol cores connections get
+            server_core=server_core, ended=handoff.ended if handoff is not None else lambda: None)
         self._servers: list[asyncio.base_events.Server] = []
         self._sampler: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -169,6 +172,13 @@ class RuntimeServer:
         self.scheduler.set_tenants(self.tenants.policies())
         loop = asyncio.get_running_loop()
         tls = self.ssl_context is not None
+        if self.handoff is not None:
+            # The parent accepts on the port and hands connections over (handoff.py): no listener here.
+            self.handoff.start(lambda: Connection(self.context, tls), self.ssl_context)
+            self._sampler = loop.create_task(self._sample_loop())
+            log.info("zerolayer runtime on %s, connections handed over by the parent (engine %s, models %s)",
+                     self.base_url, self.engine.kind, ", ".join(self.engine.models))
+            return self
         try:
             server = await loop.create_server(lambda: Connection(self.context, tls), self.host, self.port,
                                               ssl=self.ssl_context, reuse_address=True,
@@ -197,6 +207,8 @@ class RuntimeServer:
         self.app.draining = True
         for server in self._servers:
             server.close()
+        if self.handoff is not None:
+            self.handoff.close()
         for conn in list(self.connections):
             conn.start_drain()
         timeout = self.limits.drain_timeout_s if drain_timeout_s is None else drain_timeout_s

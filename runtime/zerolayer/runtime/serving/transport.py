@@ -151,6 +151,9 @@ class ConnectionContext:
     connections: set["Connection"] = dataclasses.field(default_factory=set)
     # ``server.core``: the protocol cores connections get, "python" (h2conn, h1conn) or "native" (h2native, h1native).
     server_core: str = "python"
+    # Called once when any connection ends, counted or refused at a cap (handoff.HandoffReceiver.ended:
+    # the parent's acceptor counts a process's open connections).
+    ended: Callable[[], None] = lambda: None
 
 
 def peer_address(transport: asyncio.BaseTransport) -> str:
@@ -272,6 +275,7 @@ class Connection(asyncio.Protocol):
         self._writable.set()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.context.ended()
         if self.peer is None:
             return  # refused at connection_made: never counted, no core
         self.context.peers.release(self.peer)
