@@ -55,6 +55,13 @@ class ApiProcess:
     # count of connections each process has closed (serving/handoff.py); None with kernel balance.
     channel: socket.socket | None = None
     closed: Any = None
+    running_board: Any = None  # scheduler.running.RunningBoard: memory-pressure shedding picks node-wide
+
+    def running(self) -> Any:
+        """This process's view of the node's running streams, for node-wide shedding."""
+        from zerolayer.runtime.scheduler.running import SharedRunning
+
+        return SharedRunning(self.running_board, self.index) if self.running_board is not None else None
 
     def handoff(self) -> Any:
         """Where this process's connections come from: the parent's acceptor (exact balance), or None
@@ -95,11 +102,13 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
     connection to the API process with the fewest open ones; ``kernel``, each binds the port
     (SO_REUSEPORT) and the kernel's hash spreads them."""
     from zerolayer.runtime.scheduler.board import QuotaBoard
+    from zerolayer.runtime.scheduler.running import RunningBoard
 
     reserved = _reserve_port(listen[0], args.port if args.port is not None else listen[1])
     args = argparse.Namespace(**{**vars(args), "port": reserved.getsockname()[1]})
     ctx = multiprocessing.get_context("spawn")
     board = QuotaBoard.create(count, context=ctx)
+    running = RunningBoard.create(count, context=ctx)
     channels = [channel_pair() for _ in range(count)] if balance == "exact" else []
     closed: Any = ctx.RawArray("Q", count) if channels else None
     acceptor = None
@@ -112,7 +121,7 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
         with _engine_core(engine_kind, build_engine, count) as (core, clients, launched):
             for i in range(count):
                 api = ApiProcess(i, count, board, paths[i], clients[i] if clients else None,
-                                 channels[i][1] if channels else None, closed)
+                                 channels[i][1] if channels else None, closed, running)
                 procs.append(ctx.Process(target=child_main, args=(args, api), name=f"zerolayer-api-{i}"))
                 procs[-1].start()
             for _, theirs in channels:

@@ -215,7 +215,8 @@ def build_scheduler(config: "RuntimeConfig", fleet_quota: bool, api: "ApiProcess
         scheduler_config = SchedulerConfig.from_mapping(config.scheduler)
     except SchedulerError as exc:
         raise ConfigError(f"scheduler: {exc}") from exc
-    micro = MicroScheduler(scheduler_config, ledger=api.ledger(scheduler_config) if api is not None else None)
+    micro = MicroScheduler(scheduler_config, ledger=api.ledger(scheduler_config) if api is not None else None,
+                           running=api.running() if api is not None else None)
     if not fleet_quota:
         return micro
     from zerolayer.runtime.scheduler.fleet import FleetQuotaScheduler

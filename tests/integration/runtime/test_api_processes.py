@@ -13,9 +13,11 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+import yaml
 
 import pytest
 from apiprocs_helpers import BODY, KEY, REPO, Node, chat_counts, free_port, post, write_config
@@ -72,6 +74,51 @@ def test_exact_balance_gives_each_process_one_of_two_http2_clients(tmp_path) -> 
             assert before == {"0": 5.0 * (round_ + 1), "1": 5.0 * (round_ + 1)}, before
             # the closed connections are counted out before the next round's are handed over
             time.sleep(0.3)
+    finally:
+        assert node.stop() == 0, node.output()
+
+
+def _stream_until_preempted(url: str, words: int, ended: dict[int, float]) -> None:
+    """A low-priority stream on a connection of its own; the moment its GPU_OOM error event arrives."""
+    body = {**BODY, "stream": True, "max_tokens": 4000,
+            "messages": [{"role": "user", "content": " ".join(["word"] * words)}]}
+    headers = {"authorization": f"Bearer {KEY}", "x-zerolayer-priority": "low"}
+    with httpx.Client(http1=False, http2=True, timeout=60) as client:
+        with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if '"GPU_OOM"' in line:
+                    ended[words] = time.monotonic()
+                    return
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_memory_pressure_sheds_the_node_s_largest_streams_first(tmp_path) -> None:
+    """Four low-priority streams on two API processes, process 0 holding the two largest. Memory then
+    stays at 99 % with a budget of one preemption per sample: the node sheds them largest first (350,
+    250, 150, 50 prompt words), one per sample. Each process shedding its own would cut 350 and 150
+    in the first sample, and 150 would end before 250."""
+    port = free_port()
+    scenario = tmp_path / "pressure.yaml"
+    scenario.write_text(yaml.safe_dump({"at_end": "hold", "gpus": [{"steps": [
+        {"memory": 0.5, "samples": 50}, {"memory": 0.99, "samples": 1}]}]}))  # 10 s calm at 200 ms a sample
+    config = write_config(tmp_path, {"kind": "synthetic", "output_tokens": 4000, "tokens_per_second": 20}, port)
+    data = yaml.safe_load(config.read_text())
+    data.update(gpu={"source": "simulated", "scenario": str(scenario)},
+                scheduler={"max_preemptions_per_tick": 1, "preempt_after_samples": 1})
+    config.write_text(yaml.safe_dump(data))
+    node = Node(config, port, 2)
+    ended: dict[int, float] = {}
+    try:
+        threads = []
+        for words in (350, 50, 250, 150):  # connections alternate: process 0 gets 350 and 250
+            threads.append(threading.Thread(target=_stream_until_preempted, args=(node.url, words, ended)))
+            threads[-1].start()
+            time.sleep(0.2)
+        for thread in threads:
+            thread.join(90)
+        assert sorted(ended, key=ended.get) == [350, 250, 150, 50], ended  # all four preempted, in this order
     finally:
         assert node.stop() == 0, node.output()
 

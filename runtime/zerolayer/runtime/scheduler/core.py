@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from zerolayer.contract import ErrorCode, Priority
 
 from .api import Admission, Preemption, Pressure, Reservation, RunningStream, TenantPolicy, Ticket
+from .running import LocalRunning, RunningView
 from .config import SchedulerConfig, SchedulerError
 from .metrics import SchedulerMetrics
 from .plugins import (AdmissionContext, Refusal, SharedState, build_filters, build_ordering,
@@ -51,8 +52,11 @@ class MicroScheduler:
     """
 
     def __init__(self, config: SchedulerConfig | None = None, *, registry: CollectorRegistry | None = None,
-                 tenants: Mapping[str, TenantPolicy] | None = None, ledger: QuotaLedger | None = None) -> None:
+                 tenants: Mapping[str, TenantPolicy] | None = None, ledger: QuotaLedger | None = None,
+                 running: RunningView | None = None) -> None:
         self.config = config or SchedulerConfig()
+        # The node's running streams to shed from: one's own, or every API process's (running.py).
+        self._running = running or LocalRunning()
         self.metrics = SchedulerMetrics(registry)
         if ledger is None:  # one process; several API processes share a node-wide one (board.py)
             ledger = QuotaLedger(self.config.quota_window_s, self.config.concurrency_retry_after_s)
@@ -222,22 +226,29 @@ class MicroScheduler:
         self.metrics.open_streams.set(len(self._streams))
 
     def _shed_running(self, running: Sequence[RunningStream]) -> list[Preemption]:
-        budget = self.config.max_preemptions_per_tick
-        gate = self._state.gate
+        # streams settled since the server took its snapshot, or already preempted, are no longer candidates
+        own = [s for s in running if s.priority in SHED_CLASSES and s.stream_key in self._streams
+               and s.stream_key not in self._preempted]
         out: list[Preemption] = []
+        for victim in self._running.victims(own, self._pick):  # with several API processes: picked node-wide
+            self._preempted.add(victim.stream_key)
+            # GPU_OOM, not RESOURCE_EXHAUSTED: this stream already holds KV memory that ran out under it;
+            # the contract's client policy (retry at once with max_tokens halved) asks for less of it.
+            # A refusal at admission, before any memory was held, stays RESOURCE_EXHAUSTED.
+            self.metrics.count_preempted("memory_pressure", victim.priority, ErrorCode.GPU_OOM.value)
+            out.append(Preemption(victim.stream_key, ErrorCode.GPU_OOM, "memory_pressure"))
+        return out
+
+    def _pick(self, candidates: Sequence[RunningStream]) -> list[RunningStream]:
+        """The victims of one sample among ``candidates``: lowest class first, within the budget."""
+        budget = self.config.max_preemptions_per_tick
+        chosen: list[RunningStream] = []
         for priority in SHED_CLASSES:  # lowest first: normal is touched only with budget left
             if budget <= 0:
                 break
-            if gate.sustained(priority) < self.config.preempt_after_samples:
+            if self._state.gate.sustained(priority) < self.config.preempt_after_samples:
                 continue
-            # streams settled since the server took its snapshot are no longer candidates
-            candidates = [s for s in running if s.stream_key in self._streams]
-            for victim in self._victims.pick(candidates, priority, budget, self._preempted):
-                self._preempted.add(victim.stream_key)
-                # GPU_OOM, not RESOURCE_EXHAUSTED: this stream already holds KV memory that ran out under it;
-                # the contract's client policy (retry at once with max_tokens halved) asks for less of it.
-                # A refusal at admission, before any memory was held, stays RESOURCE_EXHAUSTED.
-                self.metrics.count_preempted("memory_pressure", priority, ErrorCode.GPU_OOM.value)
-                out.append(Preemption(victim.stream_key, ErrorCode.GPU_OOM, "memory_pressure"))
-                budget -= 1
-        return out
+            picked = self._victims.pick(candidates, priority, budget, frozenset())
+            chosen.extend(picked)
+            budget -= len(picked)
+        return chosen
