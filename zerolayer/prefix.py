@@ -137,6 +137,10 @@ class PrefixDigest:
     def union(self, other: "PrefixDigest") -> "PrefixDigest":
         return PrefixDigest(bytes(x | y for x, y in zip(self._bits, other._bits)))
 
+    def to_bytes(self) -> bytes:
+        """The filter's bits (:data:`DIGEST_BITS` / 8 bytes); ``PrefixDigest(bits)`` reads them back."""
+        return bytes(self._bits)
+
     def encode(self) -> str:
         return f"{DIGEST_VERSION}:{base64.b64encode(bytes(self._bits)).decode()}"
 

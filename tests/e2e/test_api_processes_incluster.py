@@ -74,3 +74,30 @@ def test_two_api_processes_hold_a_fleet_quota_and_one_gossips(cluster, node):
     # Process 0 publishes the node's status (gossip); the map it publishes is the node's.
     cluster.wait_for(lambda: "admitting" in (cluster.kubectl_json("get", "inferencenode", runtime.node)
                                              .get("status") or {}), timeout=60, what="the node's gossiped status")
+
+
+def test_the_gossiped_prefix_digest_holds_what_either_process_served(cluster, node):
+    """Two HTTP/2 clients, each with its own long system prompt: with exact connection balance each
+    connection is served by another API process. Process 0 alone gossips, and the node's digest in
+    InferenceNode.status holds both chats' blocks, process 1's published to it through the shared
+    board (gossip/prefix_board.py). Before that board, process 1's prompts never reached the digest."""
+    from zerolayer.prefix import PrefixDigest, chat_block_hashes
+
+    _, key, runtime = node
+    systems = ["zero layer, process zero " * 60, "another system prompt for process one " * 60]
+    clients = [httpx.Client(http1=False, http2=True, timeout=30) for _ in systems]
+    try:
+        for client, system in zip(clients, systems):
+            body = {"model": "synth", "max_tokens": 4, "system": system, "messages": [{"role": "user", "content": "hi"}]}
+            response = client.post(f"{runtime.url}/v1/messages", json=body, headers={"x-api-key": key})
+            assert response.status_code == 200, response.text
+    finally:
+        for client in clients:
+            client.close()
+    wanted = [chat_block_hashes([("system", system), ("user", "hi")]) for system in systems]
+
+    def both_held():
+        status = cluster.kubectl_json("get", "inferencenode", runtime.node).get("status") or {}
+        digest = PrefixDigest.decode((status.get("prefixCache") or {}).get("digest"))
+        return digest is not None and all(digest.matched(blocks) == len(blocks) for blocks in wanted)
+    cluster.wait_for(both_held, timeout=60, interval=1, what="both processes' chats in the gossiped prefix digest")

@@ -56,6 +56,7 @@ class ApiProcess:
     channel: socket.socket | None = None
     closed: Any = None
     running_board: Any = None  # scheduler.running.RunningBoard: memory-pressure shedding picks node-wide
+    prefix_board: Any = None  # gossip.prefix_board.PrefixBoard: process 0 gossips every process's prefixes
 
     def running(self) -> Any:
         """This process's view of the node's running streams, for node-wide shedding."""
@@ -89,6 +90,12 @@ class ApiProcess:
             return args
         return argparse.Namespace(**{**vars(args), "gossip": False})
 
+    def prefix_share(self) -> Any:
+        """This process's part in the node's one prefix-cache digest (process 0 gossips it)."""
+        from zerolayer.runtime.gossip.prefix_board import PrefixShare
+
+        return PrefixShare(self.prefix_board, self.index) if self.prefix_board is not None else None
+
     def claimant(self, node: str) -> str:
         """The name this process's fleet-quota claims go under: each process holds its own slice."""
         return node if self.index == 0 else f"{node}/api-{self.index}"
@@ -102,6 +109,7 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
     connection to the API process with the fewest open ones; ``kernel``, each binds the port
     (SO_REUSEPORT) and the kernel's hash spreads them."""
     from zerolayer.runtime.scheduler.board import QuotaBoard
+    from zerolayer.runtime.gossip.prefix_board import PrefixBoard
     from zerolayer.runtime.scheduler.running import RunningBoard
 
     reserved = _reserve_port(listen[0], args.port if args.port is not None else listen[1])
@@ -109,6 +117,7 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
     ctx = multiprocessing.get_context("spawn")
     board = QuotaBoard.create(count, context=ctx)
     running = RunningBoard.create(count, context=ctx)
+    prefixes = PrefixBoard.create(count, context=ctx)
     channels = [channel_pair() for _ in range(count)] if balance == "exact" else []
     closed: Any = ctx.RawArray("Q", count) if channels else None
     acceptor = None
@@ -121,7 +130,7 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
         with _engine_core(engine_kind, build_engine, count) as (core, clients, launched):
             for i in range(count):
                 api = ApiProcess(i, count, board, paths[i], clients[i] if clients else None,
-                                 channels[i][1] if channels else None, closed, running)
+                                 channels[i][1] if channels else None, closed, running, prefixes)
                 procs.append(ctx.Process(target=child_main, args=(args, api), name=f"zerolayer-api-{i}"))
                 procs[-1].start()
             for _, theirs in channels:

@@ -25,14 +25,16 @@ def build_publisher(name: str, sink: StatusSink, *, engine: Any, draining: Calla
                     recording: RecordingSource | None, tick_s: float, endpoint: str | None = None,
                     on_spec: Any = None,
                     fragmentation: Callable[[], Mapping[int, float]] | None = None,
-                    demand: Callable[[], Sequence[Mapping[str, Any]]] | None = None) -> GossipPublisher:
+                    demand: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
+                    peer_prefixes: Sequence[Any] = ()) -> GossipPublisher:
     """A publisher (not started) for node ``name``: readings from ``recording`` (the server's GPU
     source, wrapped by whoever built the server), load from ``engine.stats()`` and ``draining()``,
     ``fragmentation()`` (the node agent passes gpu-defragd's CUDA allocator reading,
     :func:`~zerolayer.runtime.defrag.fragmentation.allocator_fragmentation`); the served names
     (``models``, adapters included) from ``engine.models``, read at each tick; the prefix-cache digest from the engines'
     ``served_prefixes`` (:func:`prefix_cache_of`); ``demand()`` the requests refused for models not
-    served here (:meth:`zerolayer.runtime.serving.demand.DemandLedger.entries`). The caller wakes it after each
+    served here (:meth:`zerolayer.runtime.serving.demand.DemandLedger.entries`); ``peer_prefixes`` the other
+    API processes' prefix records (:mod:`.prefix_board`). The caller wakes it after each
     sample (``publisher.notify``) and sets ``publisher.state.endpoint`` once the port is known.
     """
     def readings():  # type: ignore[no-untyped-def]
@@ -46,20 +48,26 @@ def build_publisher(name: str, sink: StatusSink, *, engine: Any, draining: Calla
         name, sink, readings=readings, load=load, endpoint=endpoint, models=tuple(engine.models),
         served=lambda: engine.models,
         fragmentation=fragmentation, sample_seq=(lambda: recording.seq) if recording else None,
-        tick_s=tick_s, on_spec=on_spec, prefix_cache=prefix_cache_of(engine), demand=demand,
+        tick_s=tick_s, on_spec=on_spec, prefix_cache=prefix_cache_of(engine, peer_prefixes), demand=demand,
         engine_preallocates=bool(getattr(engine, "preallocates_gpu_memory", False)),
     )
 
 
-def prefix_cache_of(engine: Any) -> Callable[[], dict[str, Any] | None] | None:
+def prefix_cache_of(engine: Any, peers: Sequence[Any] = ()) -> Callable[[], dict[str, Any] | None] | None:
     """What to publish as ``status.prefixCache``: the union of the engines' records of the prefixes
     they served (:class:`zerolayer.prefix.ServedPrefixes`, an engine's ``served_prefixes``), or None
     when no engine keeps one. A node serving several models publishes one digest for all of them:
-    the SDK matches a prompt's blocks and only asks nodes that serve the request's model."""
+    the SDK matches a prompt's blocks and only asks nodes that serve the request's model. ``peers``:
+    the other API processes' records (:class:`.prefix_board.PeerRecord`), joined into the same union."""
     from zerolayer.prefix import merged_status
 
-    records = [r for e in getattr(engine, "engines", (engine,))
-               if (r := getattr(e, "served_prefixes", None)) is not None]
-    if not records:
+    own = prefix_records(engine)
+    if not own:
         return None
+    records = [*own, *peers]
     return lambda: merged_status(records)
+
+
+def prefix_records(engine: Any) -> list[Any]:
+    """The engines' records of the prefixes they served (``served_prefixes``), where they keep one."""
+    return [r for e in getattr(engine, "engines", (engine,)) if (r := getattr(e, "served_prefixes", None)) is not None]

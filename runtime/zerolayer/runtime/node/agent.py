@@ -43,6 +43,7 @@ from zerolayer.runtime.gpu.api import GpuSource
 log = logging.getLogger(__name__)
 
 MAP_IDLE_S = 300.0  # close the fleet-map watch after this long unused (zerolayer.gpumap.GpuMapWatcher)
+PREFIX_SHARE_S = 1.0  # how often an API process other than 0 publishes its prefix records to process 0
 
 
 class ServedNode(Protocol):
@@ -118,9 +119,13 @@ class NodeAgent:
 
     def __init__(self, *, gpu_source: GpuSource | None = None, node_name: str | None = None,
                  kubeconfig: str | None = None, advertise_endpoint: str | None = None,
-                 price_per_kwh: float = 0.15, gossip: bool = True) -> None:
+                 price_per_kwh: float = 0.15, gossip: bool = True, prefix_share: Any = None) -> None:
         self.node_name = node_name
         self.gossip = gossip  # False: another API process of the node (process 0 gossips); it reads the map
+        # With several API processes (gossip/prefix_board.PrefixShare): process 0 gossips the others'
+        # prefix records with its own; the others publish theirs to it.
+        self.prefix_share = prefix_share
+        self._sharing: asyncio.Task[None] | None = None
         self.kubeconfig = kubeconfig
         self.advertise_endpoint = advertise_endpoint
         # The server samples through this wrapper: the agent sees each sample in the sampling thread.
@@ -135,8 +140,9 @@ class NodeAgent:
             self.gpu_source.on_sample = self._on_sample
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, gpu_source: GpuSource | None) -> "NodeAgent":
-        return cls(gpu_source=gpu_source, node_name=getattr(args, "node_name", None) or None,
+    def from_args(cls, args: argparse.Namespace, gpu_source: GpuSource | None,
+                  prefix_share: Any = None) -> "NodeAgent":
+        return cls(gpu_source=gpu_source, node_name=getattr(args, "node_name", None) or None, prefix_share=prefix_share,
                    kubeconfig=getattr(args, "kubeconfig", None),
                    advertise_endpoint=getattr(args, "advertise_endpoint", None),
                    price_per_kwh=float(os.environ.get("ZEROLAYER_ELECTRICITY_PRICE_PER_KWH", "0.15")),
@@ -190,6 +196,8 @@ class NodeAgent:
             return self
         if not self.gossip:
             self.watcher = self._fleet_watcher()
+            if self.prefix_share is not None:
+                self._sharing = asyncio.get_running_loop().create_task(self._share_prefixes(server))
             log.info("fleet map: watching InferenceNodes for alternatives (process 0 of %s gossips)", name)
             return self
         try:
@@ -204,7 +212,8 @@ class NodeAgent:
                                     endpoint=self.advertise_endpoint,
                                     on_spec=lambda spec: _adopt_price(self.meter, spec),
                                     fragmentation=allocator_fragmentation,
-                                    demand=server.app.demand.entries if server.app.demand is not None else None)
+                                    demand=server.app.demand.entries if server.app.demand is not None else None,
+                                    peer_prefixes=self.prefix_share.peers() if self.prefix_share is not None else ())
         if not publisher.state.endpoint:
             publisher.state.endpoint = advertised_endpoint(server.base_url, server.host, server.port)
         self.publisher = publisher
@@ -222,7 +231,22 @@ class NodeAgent:
             log.warning("no fleet map (alternatives disabled): %s", exc)
             return None
 
+    async def _share_prefixes(self, server: ServedNode) -> None:
+        """Another API process than 0: put its prefix records where process 0's gossip reads them, each
+        gossip tick (``PREFIX_SHARE_S``)."""
+        from zerolayer.runtime.gossip import prefix_records
+
+        records = prefix_records(server.engine)
+        while records:
+            try:
+                self.prefix_share.publish(records)
+            except Exception:  # the digest must never stop the server
+                log.exception("publishing the prefix digest to API process 0 failed")
+            await asyncio.sleep(PREFIX_SHARE_S)
+
     async def stop(self) -> None:
+        if self._sharing is not None:
+            self._sharing.cancel()
         if self.release is not None:
             self.release.remove()
         if self.publisher is not None:
