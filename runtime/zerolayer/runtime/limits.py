@@ -130,6 +130,8 @@ class BodyBudget:
 
     def take(self, owner: str | None, n: int) -> str | None:
         """Book ``n`` bytes for ``owner``; None on success, else the name of the limit hit."""
+        if n <= 0:
+            return None  # nothing to book (and no empty entry left behind: give() ignores n <= 0 too)
         if self.total + n > self.total_cap:
             return "max_buffered_body_bytes"
         held = self.by_owner.get(owner, 0)
