@@ -117,6 +117,7 @@ class NodeEntry:
     kv_cache_usage: float | None = None
     prefix_cache: Mapping[str, Any] | None = None  # status.prefixCache as published (docs/routing.md)
     pressure_signal: str | None = None  # status.pressureSignal: kvCache | gpuMemory (None: not published)
+    api_processes: int | None = None  # status.apiProcesses: processes serving the endpoint (None: not published)
 
     @property
     def prefix_blocks(self) -> int | None:
@@ -140,6 +141,7 @@ class NodeEntry:
             "gpusAdmitting": self.gpus_admitting, "memoryPercent": self.memory_percent,
             "load": {"running": self.running, "waiting": self.waiting, "kvCacheUsage": self.kv_cache_usage},
             **({"prefixCache": dict(self.prefix_cache)} if self.prefix_cache is not None else {}),
+            **({"apiProcesses": self.api_processes} if self.api_processes is not None else {}),
             "gpus": [{
                 "uuid": g.uuid, "index": g.index, "name": g.name, "memoryUsedBytes": g.memory_used_bytes,
                 "memoryTotalBytes": g.memory_total_bytes, "utilization": g.utilization,
@@ -213,7 +215,7 @@ def node_from_object(obj: Mapping[str, Any], now: float | None = None) -> NodeEn
         memory_percent=_int(status.get("memoryPercent")), running=_int(load.get("running")),
         waiting=_int(load.get("waiting")), kv_cache_usage=_num(load.get("kvCacheUsage")),
         prefix_cache=status["prefixCache"] if isinstance(status.get("prefixCache"), Mapping) else None,
-        pressure_signal=signal,
+        pressure_signal=signal, api_processes=_int(status.get("apiProcesses")),
     )
 
 

@@ -48,6 +48,7 @@ class Node:
     models: tuple[str, ...] | None = None  # the models it serves; None: the source does not say
     load: int | None = None  # gossiped running + waiting requests; None: not published
     prefix_digest: PrefixDigest | None = None  # what it holds in its prefix cache (docs/routing.md)
+    api_processes: int | None = None  # processes serving the endpoint; None: the source does not say
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         return self.heartbeat is None or now - self.heartbeat <= stale_after_s
@@ -126,9 +127,10 @@ def node_from_status(name: str, status: Mapping[str, Any], spec: Mapping[str, An
 
     A node admits if ``status.admitting`` says so; without that field, if any GPU admits. Its
     models are ``status.models`` when published, else the names in ``spec.models`` (what the
-    node was told to serve), else unknown. Its load is ``status.load.running + waiting`` and its
-    prefix digest ``status.prefixCache.digest`` (docs/routing.md), each ``None`` when absent or
-    unreadable. Returns ``None`` when the status has no endpoint yet (not routable).
+    node was told to serve), else unknown. Its load is ``status.load.running + waiting``, its
+    prefix digest ``status.prefixCache.digest`` (docs/routing.md) and its API processes
+    ``status.apiProcesses`` (a positive integer), each ``None`` when absent or unreadable. Returns
+    ``None`` when the status has no endpoint yet (not routable).
     """
     endpoint = status.get("endpoint")
     if not endpoint:
@@ -145,8 +147,12 @@ def node_from_status(name: str, status: Mapping[str, Any], spec: Mapping[str, An
     counts = [load.get(k) for k in ("running", "waiting")]
     busy = sum(counts) if all(isinstance(c, int) and not isinstance(c, bool) for c in counts) else None  # type: ignore[arg-type]
     cache: Mapping[str, Any] = status["prefixCache"] if isinstance(status.get("prefixCache"), Mapping) else {}
+    processes = status.get("apiProcesses")
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        processes = None
     return Node(name=name, endpoint=normalise_endpoint(str(endpoint)), admitting=bool(admitting), heartbeat=heartbeat,
-                gpus=gpus, models=models, load=busy, prefix_digest=PrefixDigest.decode(cache.get("digest")))
+                gpus=gpus, models=models, load=busy, prefix_digest=PrefixDigest.decode(cache.get("digest")),
+                api_processes=processes)
 
 
 def nodes_from_document(doc: object) -> list[Node]:

@@ -141,7 +141,7 @@ def build_status(readings: Sequence[GpuReading], gpu_admitting: Mapping[str, boo
                  fragmentation: Mapping[int, float] | None = None, models: Sequence[str] = (),
                  prefix_cache: Mapping[str, Any] | None = None,
                  demand: Sequence[Mapping[str, Any]] = (),
-                 pressure_signal: str | None = None) -> dict[str, Any]:
+                 pressure_signal: str | None = None, api_processes: int = 1) -> dict[str, Any]:
     """The ``status`` fields the runtime owns (never ``phase`` or ``conditions``: the operator's).
 
     ``heartbeat`` is Unix seconds. ``fragmentation`` maps GPU index to the runtime's own measure
@@ -152,7 +152,9 @@ def build_status(readings: Sequence[GpuReading], gpu_admitting: Mapping[str, boo
     refused here for models this node does not serve (:meth:`zerolayer.runtime.serving.demand.DemandLedger.entries`),
     which the operator reads to scale an InferenceFleet from zero. ``pressure_signal`` (``kvCache`` or
     ``gpuMemory``) tells readers what admission follows: under ``kvCache`` they do not apply the
-    utilisation threshold (:func:`zerolayer.gpumap.node_from_object`).
+    utilisation threshold (:func:`zerolayer.gpumap.node_from_object`). ``api_processes``: how many API
+    processes serve the endpoint (``server.api_processes``), published as ``apiProcesses`` so that a client
+    opens that many connections to reach them all (docs/client.md).
     """
     fragmentation = fragmentation or {}
     gpus = [gpu_status(r, gpu_admitting.get(r.uuid, True), fragmentation.get(r.index)) for r in readings]
@@ -168,6 +170,7 @@ def build_status(readings: Sequence[GpuReading], gpu_admitting: Mapping[str, boo
         "load": {"running": int(load.running), "waiting": int(load.waiting),
                  "kvCacheUsage": round(float(load.kv_cache_usage), 4)},
         "gpus": gpus,
+        "apiProcesses": int(api_processes),
     }
     if endpoint:
         status["endpoint"] = endpoint
@@ -208,6 +211,8 @@ def change_reason(previous: Mapping[str, Any] | None, current: Mapping[str, Any]
         return "admitting"
     if previous.get("models") != current.get("models"):
         return "models"  # an adapter loaded or unloaded while running: clients route by this list
+    if previous.get("apiProcesses") != current.get("apiProcesses"):
+        return "api-processes"  # clients size their connections to the node by it
     before = {g["uuid"]: g for g in previous.get("gpus", ())}
     after = {g["uuid"]: g for g in current.get("gpus", ())}
     if before.keys() != after.keys():
@@ -236,10 +241,12 @@ class GossipState:
     """
 
     def __init__(self, settings: GossipSettings | None = None, *, endpoint: str | None = None,
-                 models: Sequence[str] = (), engine_preallocates: bool = False) -> None:
+                 models: Sequence[str] = (), engine_preallocates: bool = False, api_processes: int = 1) -> None:
         """``engine_preallocates``: the engine takes its GPU memory at start (vLLM), which makes
-        ``pressureSignal: auto`` the KV cache (:func:`~zerolayer.runtime.scheduler.pressure.resolve_pressure_signal`)."""
+        ``pressureSignal: auto`` the KV cache (:func:`~zerolayer.runtime.scheduler.pressure.resolve_pressure_signal`).
+        ``api_processes``: the node's API processes, published as ``apiProcesses`` (the node agent sets it)."""
         self.settings = settings or GossipSettings()
+        self.api_processes = api_processes
         self.engine_preallocates = engine_preallocates
         self.endpoint = endpoint
         self.models = tuple(models)
@@ -270,7 +277,7 @@ class GossipState:
                                           load.kv_cache_usage if signal == KV_CACHE else None)
         status = build_status(readings, admitting, load, endpoint=self.endpoint, heartbeat=wall,
                               fragmentation=fragmentation, models=self.models, prefix_cache=prefix_cache,
-                              demand=demand, pressure_signal=signal)
+                              demand=demand, pressure_signal=signal, api_processes=self.api_processes)
         reason = change_reason(self.last_status, status, self.settings)
         if reason == "prefix-digest" and now - self.last_digest_at < self.settings.prefix_digest_s:
             reason = None

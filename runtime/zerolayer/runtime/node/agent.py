@@ -118,7 +118,7 @@ class NodeAgent:
     handler; see the module docstring. Build it before the server, start it after."""
 
     def __init__(self, *, gpu_source: GpuSource | None = None, node_name: str | None = None,
-                 kubeconfig: str | None = None, advertise_endpoint: str | None = None,
+                 kubeconfig: str | None = None, advertise_endpoint: str | None = None, api_processes: int = 1,
                  price_per_kwh: float = 0.15, gossip: bool = True, prefix_share: Any = None) -> None:
         self.node_name = node_name
         self.gossip = gossip  # False: another API process of the node (process 0 gossips); it reads the map
@@ -128,6 +128,7 @@ class NodeAgent:
         self._sharing: asyncio.Task[None] | None = None
         self.kubeconfig = kubeconfig
         self.advertise_endpoint = advertise_endpoint
+        self.api_processes = api_processes  # the node's, published as status.apiProcesses by process 0
         # The server samples through this wrapper: the agent sees each sample in the sampling thread.
         self.gpu_source: RecordingSource | None = RecordingSource(gpu_source) if gpu_source is not None else None
         self.meter: EnergyMeter | None = EnergyMeter(price_per_kwh=price_per_kwh) if gpu_source is not None else None
@@ -141,12 +142,13 @@ class NodeAgent:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, gpu_source: GpuSource | None,
-                  prefix_share: Any = None) -> "NodeAgent":
+                  prefix_share: Any = None, *, api_processes: int = 1) -> "NodeAgent":
+        """``api_processes``: how many API processes serve the node (``server.api_processes``)."""
         return cls(gpu_source=gpu_source, node_name=getattr(args, "node_name", None) or None, prefix_share=prefix_share,
                    kubeconfig=getattr(args, "kubeconfig", None),
                    advertise_endpoint=getattr(args, "advertise_endpoint", None),
                    price_per_kwh=float(os.environ.get("ZEROLAYER_ELECTRICITY_PRICE_PER_KWH", "0.15")),
-                   gossip=getattr(args, "gossip", True))
+                   gossip=getattr(args, "gossip", True), api_processes=api_processes)
 
     def extra_metrics(self) -> list[Callable[[], bytes]]:
         """Renderers for the server's ``/metrics``: gossip's (``zerolayer_gossip_*``, once it runs) and the
@@ -216,6 +218,7 @@ class NodeAgent:
                                     peer_prefixes=self.prefix_share.peers() if self.prefix_share is not None else ())
         if not publisher.state.endpoint:
             publisher.state.endpoint = advertised_endpoint(server.base_url, server.host, server.port)
+        publisher.state.api_processes = self.api_processes
         self.publisher = publisher
         publisher.start()
         self.watcher = self._fleet_watcher()
