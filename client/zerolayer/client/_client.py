@@ -1,6 +1,7 @@
 """``Client`` and ``AsyncClient``: the same API, blocking or on asyncio.
 
-Both keep one HTTP/2 pool (one connection per endpoint, many streams on it), send the
+Both keep one HTTP/2 pool (one connection per endpoint, many streams on it; one per API process
+of a node that runs several, see :mod:`zerolayer.client.lanes`), send the
 header contract on every request, decode errors into the SDK's exceptions, and retry by
 the policy in :mod:`zerolayer.client.retry` under a shared retry budget.
 """
@@ -13,7 +14,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import httpx
 
-from . import errors, transport, wire
+from . import errors, lanes, transport, wire
 from ._core import CONTRACT_OPTIONS, Call, Shared, make_contract, request_body
 from .attempt import TOKEN_EVENT, MessageAttempt, StreamAttempt
 from .events import Listener
@@ -53,9 +54,11 @@ class _Options:
         breaker_reset_s: float = 10.0,
         stale_after_s: float = 15.0,
         on_event: Listener | None = None,
+        connections_per_node: int | None = None,
         _shared: Shared | None = None,
         _pool: Any = None,
     ) -> None:
+        self._connections_per_node = lanes.check_connections_per_node(connections_per_node)
         self._options: dict[str, Any] = dict(
             api_key=api_key, priority=priority, session=session, model_hint=model_hint,
             output_format=output_format, deadline=deadline,
@@ -79,6 +82,10 @@ class _Options:
         self._timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout, connect=5.0)
         self._http1 = [self._shared.router.fallback] if fallback_http1 and self._shared.router.fallback else []
         self._pool = _pool
+
+    def _lane_width(self) -> lanes.LaneWidth:
+        """How many connections the pool keeps to each endpoint (:mod:`zerolayer.client.lanes`)."""
+        return lanes.LaneWidth(self._shared.node_map, self._connections_per_node)
 
     @property
     def router(self):
@@ -118,12 +125,16 @@ class Client(_Options):
             spending ``max_retries`` or the retry budget. See ``retry.py``.
         breaker_threshold, breaker_reset_s, stale_after_s: node health (see ``routing.py``).
         on_event: a listener for :mod:`zerolayer.client.events` (fallback, retries, latency).
+        connections_per_node: HTTP/2 connections to each node of the map (``None``: the node's published
+            ``apiProcesses``, else 1), each request on the one with the fewest in flight, so that requests
+            reach every API process of a node that runs several (``zerolayer.client.lanes``). The sync
+            client keeps them per thread. The fallback endpoint keeps one.
     """
 
     def __init__(self, api_key: str | None = None, base_url: str | None = None, **kwargs: Any) -> None:
         super().__init__(api_key, base_url, **kwargs)
         if self._pool is None:
-            self._pool = transport.sync_pool(self._timeout, self._http1)
+            self._pool = transport.sync_pool(self._timeout, self._http1, self._lane_width())
         self.messages = Messages(self)
 
     def with_options(self, **changes: Any) -> "Client":
@@ -182,7 +193,7 @@ class AsyncClient(_Options):
     def __init__(self, api_key: str | None = None, base_url: str | None = None, **kwargs: Any) -> None:
         super().__init__(api_key, base_url, **kwargs)
         if self._pool is None:
-            self._pool = transport.async_pool(self._timeout, self._http1)
+            self._pool = transport.async_pool(self._timeout, self._http1, self._lane_width())
         self.messages = AsyncMessages(self)
 
     def with_options(self, **changes: Any) -> "AsyncClient":

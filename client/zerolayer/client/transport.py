@@ -2,7 +2,9 @@
 
 HTTP/2 everywhere: plain ``http://`` endpoints use prior knowledge (h2c, as the runtime
 speaks it), ``https://`` negotiates h2 by ALPN. One connection per endpoint carries many
-concurrent streams; idle connections are kept 45 s (the runtime PINGs every 30 s).
+concurrent streams, or one per lane for a node served by several API processes (:mod:`.lanes`:
+lane *i* of every endpoint is the *i*-th httpx pool of :class:`LanedPool`); idle connections are
+kept 45 s (the runtime PINGs every 30 s).
 An endpoint listed in ``http1_endpoints`` (for instance the HTTP/1.1 gateway a team
 migrates from, used as the fallback) gets a pool that speaks HTTP/1.1 or ALPN h2.
 
@@ -14,9 +16,10 @@ the httpcore exception, so the h2 event is found on the cause chain.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Generic, Iterable, Iterator, TypeVar
 
 import h2.events
 import h2.exceptions
@@ -25,6 +28,7 @@ import httpx
 from zerolayer.version import __version__
 
 from . import errors, wire
+from .lanes import Lanes
 
 KEEPALIVE_S = 45.0
 USER_AGENT = f"zerolayer-client/{__version__}"
@@ -34,9 +38,11 @@ def _limits() -> httpx.Limits:
     return httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S)
 
 
-def sync_pool(timeout: httpx.Timeout, http1_endpoints: Iterable[str] = ()) -> PerThreadPool:
+def sync_pool(timeout: httpx.Timeout, http1_endpoints: Iterable[str] = (),
+              width: Callable[[str], int] = lambda url: 1) -> PerThreadPool:
+    """The sync client's pool: per thread, ``width(url)`` connections to each endpoint (:mod:`.lanes`)."""
     endpoints = tuple(http1_endpoints)
-    return PerThreadPool(lambda: _sync_client(timeout, endpoints))
+    return PerThreadPool(lambda: SyncLanedPool(lambda: _sync_client(timeout, endpoints), Lanes(width)))
 
 
 def _sync_client(timeout: httpx.Timeout, http1_endpoints: Iterable[str]) -> httpx.Client:
@@ -49,8 +55,82 @@ def _sync_client(timeout: httpx.Timeout, http1_endpoints: Iterable[str]) -> http
     )
 
 
+_Pool = TypeVar("_Pool")
+
+
+class LanedPool(Generic[_Pool]):
+    """httpx pools by lane: a request goes to the pool of the lane :class:`~.lanes.Lanes` picks for its URL.
+
+    Each pool keeps one connection per endpoint, so an endpoint of K lanes gets K connections. Pools
+    are made on first use: with one lane everywhere there is exactly one, as without lanes.
+    """
+
+    def __init__(self, make: Callable[[], _Pool], lanes: Lanes) -> None:
+        self._make = make
+        self.lanes = lanes
+        self.pools: list[_Pool] = []
+        self.closed = False
+
+    def _pool(self, index: int) -> _Pool:
+        if self.closed:
+            raise RuntimeError("the client is closed")
+        while len(self.pools) <= index:
+            self.pools.append(self._make())
+        return self.pools[index]
+
+
+class SyncLanedPool(LanedPool[httpx.Client]):
+    """One thread's lanes (the sync client's pools are per thread, see :class:`PerThreadPool`)."""
+
+    def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        lane = self.lanes.take(url)
+        try:
+            return self._pool(lane.number).post(url, **kwargs)
+        finally:
+            self.lanes.done(lane)
+
+    @contextlib.contextmanager
+    def stream(self, method: str, url: str, **kwargs: Any) -> Iterator[httpx.Response]:
+        lane = self.lanes.take(url)
+        try:
+            with self._pool(lane.number).stream(method, url, **kwargs) as response:
+                yield response
+        finally:
+            self.lanes.done(lane)
+
+    def close(self) -> None:
+        self.closed = True
+        for pool in self.pools:
+            pool.close()
+
+
+class AsyncLanedPool(LanedPool[httpx.AsyncClient]):
+    """The async client's lanes (one event loop: one set of pools)."""
+
+    async def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        lane = self.lanes.take(url)
+        try:
+            return await self._pool(lane.number).post(url, **kwargs)
+        finally:
+            self.lanes.done(lane)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, url: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
+        lane = self.lanes.take(url)
+        try:
+            async with self._pool(lane.number).stream(method, url, **kwargs) as response:
+                yield response
+        finally:
+            self.lanes.done(lane)
+
+    async def aclose(self) -> None:
+        self.closed = True
+        for pool in self.pools:
+            await pool.aclose()
+
+
 class PerThreadPool:
-    """One ``httpx.Client`` per thread behind the sync SDK client, which threads may share.
+    """One pool (a :class:`SyncLanedPool`) per thread behind the sync SDK client, which threads may share.
 
     httpx's sync HTTP/2 connection is not safe to drive from several threads at once: concurrent
     streams on one connection raise ``RuntimeError: deque mutated during iteration`` or hang
@@ -59,13 +139,13 @@ class PerThreadPool:
     the client is closed, whichever comes first.
     """
 
-    def __init__(self, make: Callable[[], httpx.Client]) -> None:
+    def __init__(self, make: Callable[[], SyncLanedPool]) -> None:
         self._make = make
-        self._pools: dict[int, tuple[httpx.Client, weakref.finalize]] = {}
+        self._pools: dict[int, tuple[SyncLanedPool, weakref.finalize]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
-    def _pool(self) -> httpx.Client:
+    def _pool(self) -> SyncLanedPool:
         thread = threading.current_thread()
         key = id(thread)  # unique while the thread object lives; its finalizer removes the entry
         with self._lock:
@@ -97,7 +177,14 @@ class PerThreadPool:
             pool.close()
 
 
-def async_pool(timeout: httpx.Timeout, http1_endpoints: Iterable[str] = ()) -> httpx.AsyncClient:
+def async_pool(timeout: httpx.Timeout, http1_endpoints: Iterable[str] = (),
+               width: Callable[[str], int] = lambda url: 1) -> AsyncLanedPool:
+    """The async client's pool: ``width(url)`` connections to each endpoint (:mod:`.lanes`)."""
+    endpoints = tuple(http1_endpoints)
+    return AsyncLanedPool(lambda: _async_client(timeout, endpoints), Lanes(width))
+
+
+def _async_client(timeout: httpx.Timeout, http1_endpoints: Iterable[str]) -> httpx.AsyncClient:
     mounts: dict[str, httpx.AsyncBaseTransport | None] = {
         f"all://{_authority(url)}": httpx.AsyncHTTPTransport(http1=True, http2=True, limits=_limits())
         for url in http1_endpoints

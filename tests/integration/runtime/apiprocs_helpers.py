@@ -104,3 +104,13 @@ def chat_counts(page: str) -> dict[str, float]:
             index = line.split('api_process="')[1].split('"')[0]
             counts[index] = counts.get(index, 0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def connection_counts(page: str, protocol: str = "h2") -> dict[str, float]:
+    """Connections each API process accepted (``zerolayer_connections_total``), by ``api_process``."""
+    counts: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith("zerolayer_connections_total{") and f'protocol="{protocol}"' in line:
+            index = line.split('api_process="')[1].split('"')[0]
+            counts[index] = counts.get(index, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
