@@ -74,6 +74,8 @@ def test_two_api_processes_hold_a_fleet_quota_and_one_gossips(cluster, node):
     # Process 0 publishes the node's status (gossip); the map it publishes is the node's.
     cluster.wait_for(lambda: "admitting" in (cluster.kubectl_json("get", "inferencenode", runtime.node)
                                              .get("status") or {}), timeout=60, what="the node's gossiped status")
+    # ... with how many API processes serve it: the SDK opens that many connections to the node
+    assert cluster.kubectl_json("get", "inferencenode", runtime.node)["status"].get("apiProcesses") == 2
 
 
 def test_the_gossiped_prefix_digest_holds_what_either_process_served(cluster, node):

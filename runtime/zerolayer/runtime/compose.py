@@ -182,7 +182,8 @@ def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, 
 
         probe = open_token_probe(args)  # USDT token events (+ counters, journal with --audit-spool)
         agent = NodeAgent.from_args(api.agent_args(args) if api is not None else args, gpu_source,
-                                    api.prefix_share() if api is not None else None)
+                                    api.prefix_share() if api is not None else None,
+                                    api_processes=config.api_processes)  # gossiped as status.apiProcesses
         gpu_source = agent.gpu_source or gpu_source
         wiring.update(token_sink=probe.emit, extra_metrics=agent.extra_metrics())
         if agent.node_name:  # alternatives on pressure refusals, GET /v1/zerolayer/map

@@ -1,8 +1,8 @@
 """The SDK against ``zerolayer runtime --api-processes 2``: a node that publishes two API processes (or a
 client told ``connections_per_node=2``) gets two HTTP/2 connections, counted by the runtime itself
 (``zerolayer_connections_total`` on the merged metrics page), so that its requests can reach both
-processes. Which process each connection lands on is the runtime's connection balance, not the SDK's;
-this checks the SDK's half only."""
+processes. With the runtime's exact connection balance (the default) the two connections land on the two
+processes, so one SDK client's requests are served by both."""
 
 from __future__ import annotations
 
@@ -29,6 +29,16 @@ def opened(node: Node, before: float, expected: int) -> int:
     return int(sum(connection_counts(node.metrics()).values()) - before)
 
 
+def answered_by_process(page: str) -> dict[str, float]:
+    """Requests answered 200, per API process, on the merged metrics page (any route)."""
+    counts: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith("zerolayer_requests_total{") and 'status="200"' in line and 'api_process="' in line:
+            index = line.split('api_process="')[1].split('"')[0]
+            counts[index] = counts.get(index, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def test_the_sdk_opens_one_connection_per_api_process(tmp_path):
     port = free_port()
     node = Node(write_config(tmp_path, {"kind": "synthetic", "output_tokens": 4, "ttft_ms": 100}, port), port, 2)
@@ -44,6 +54,8 @@ def test_the_sdk_opens_one_connection_per_api_process(tmp_path):
 
         assert all(asyncio.run(batch()))
         assert opened(node, before, 2) == 2  # the node's published count: two lanes
+        served = answered_by_process(node.metrics())
+        assert set(served) == {"0", "1"} and sum(served.values()) == 20, served  # one lane on each process
 
         before = sum(connection_counts(node.metrics()).values())
         with Client(api_key=KEY, base_url=node.url, connections_per_node=2, max_retries=0) as client:
