@@ -42,7 +42,7 @@ def inference_node_problems(spec: Mapping[str, Any]) -> list[str]:
         problems.append("scheduler.resumeThreshold must be below scheduler.memoryThreshold")
     if normal is not None and memory is not None and normal < memory:
         problems.append("scheduler.normalThreshold must be at or above scheduler.memoryThreshold")
-    core = (spec.get("runtime") or {}).get("serverCore", "python")
+    core = (spec.get("runtime") or {}).get("serverCore", "native")
     if core not in SERVER_CORES:
         problems.append(f"spec.runtime.serverCore must be one of {', '.join(SERVER_CORES)}, got {core!r}")
     processes = api_processes_problem(spec)  # spec.runtime.apiProcesses: 1..64 (1 with several models) or unset

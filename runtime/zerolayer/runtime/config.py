@@ -198,12 +198,23 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
 SERVER_CORES = ("python", "native")
 
 
+def native_core_available() -> bool:
+    """Whether the compiled cores' extension (``zerolayer_h2core``, native/h2core) is installed."""
+    try:
+        import zerolayer_h2core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def parse_server_core(server: Mapping[str, Any]) -> str:
     """``server.core``: which HTTP/2 core serves h2 connections (docs/server-core.md, "The native core")."""
     unknown = sorted(set(server) - {"core", "api_processes", "connection_balance"})
     if unknown:
         raise ConfigError(f"server: unknown keys {', '.join(unknown)} (known: core, api_processes, connection_balance)")
-    core = server.get("core", "python")
+    if "core" not in server:
+        return "native" if native_core_available() else "python"
+    core = server["core"]
     if core not in SERVER_CORES:
         raise ConfigError(f"server.core: one of {', '.join(SERVER_CORES)}, got {core!r}")
     if core == "native":

@@ -381,14 +381,20 @@ def test_window_updates_that_answer_our_data_are_not_a_flood():
     assert p.limit_hits == [] and not p.core.ended
 
 
-def test_server_core_config_field_picks_the_core():
+def test_server_core_config_field_picks_the_core(monkeypatch):
     import pathlib
 
+    from zerolayer.runtime import config
     from zerolayer.runtime.config import parse_config
     from zerolayer.runtime.errors import ConfigError
     from zerolayer.runtime.serving.transport import h2_core_class
 
+    # Unset: the compiled cores where their extension is installed (the image, CI), else the Python ones.
+    assert parse_config({}, pathlib.Path(".")).server_core == "native"
+    monkeypatch.setattr(config, "native_core_available", lambda: False)
     assert parse_config({}, pathlib.Path(".")).server_core == "python"
+    monkeypatch.undo()
+    assert parse_config({"server": {"core": "python"}}, pathlib.Path(".")).server_core == "python"
     assert parse_config({"server": {"core": "native"}}, pathlib.Path(".")).server_core == "native"
     assert h2_core_class("python") is H2ServerCore and h2_core_class("native") is NativeH2ServerCore
     with pytest.raises(ConfigError, match="server.core"):
