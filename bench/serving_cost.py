@@ -61,7 +61,7 @@ def native_available() -> bool:
 def runtime(core: str, tokens: int) -> Callable[[int], tuple[list[str], dict[str, str], str]]:
     def make(port: int) -> tuple[list[str], dict[str, str], str]:
         engine = {"kind": "synthetic", "models": ["synthetic"], "output_tokens": tokens}
-        extra = {"server": {"core": core}} if core != "python" else {}  # python: the default
+        extra = {"server": {"core": core}}  # named: the default is native where it is installed
         config = benchlib.write_config(benchlib.runtime_config(port, engine, **extra))
         return benchlib.runtime_cmd(config), {"BENCH_KEY": benchlib.KEY}, config
     return make

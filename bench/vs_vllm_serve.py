@@ -70,9 +70,9 @@ def vllm_serve_cmd(port: int, api_servers: int = 1) -> list[str]:
 
 def zerolayer_cmd(port: int, spool: str, core: str = "python", api_processes: int = 1) -> tuple[list[str], str]:
     engine = {"kind": "vllm", "model_path": str(MODEL_DIR), "served_name": SERVED, **ENGINE}
-    server = {**({"core": core} if core != "python" else {}), **({"api_processes": api_processes}
-                                                                  if api_processes > 1 else {})}
-    extra = {"server": server} if server else {}
+    server = {"core": core,  # named: the default is native where it is installed
+              **({"api_processes": api_processes} if api_processes > 1 else {})}
+    extra = {"server": server}
     config = benchlib.write_config(benchlib.runtime_config(port, engine, **extra))
     return benchlib.runtime_cmd(config, "--audit-spool", spool, "--audit-journal"), config
 
