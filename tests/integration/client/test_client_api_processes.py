@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tests.integration.runtime.apiprocs_helpers import KEY, Node, connection_counts, free_port, write_config
+from tests.integration.runtime.apiprocs_helpers import (KEY, Node, connection_counts, free_port, per_process,
+                                                       write_config)
 from zerolayer.client import AsyncClient, Client
 from zerolayer.client.nodes import Node as MapNode
 from zerolayer.client.nodes import StaticNodeMap
@@ -29,16 +30,6 @@ def opened(node: Node, before: float, expected: int) -> int:
     return int(sum(connection_counts(node.metrics()).values()) - before)
 
 
-def answered_by_process(page: str) -> dict[str, float]:
-    """Requests answered 200, per API process, on the merged metrics page (any route)."""
-    counts: dict[str, float] = {}
-    for line in page.splitlines():
-        if line.startswith("zerolayer_requests_total{") and 'status="200"' in line and 'api_process="' in line:
-            index = line.split('api_process="')[1].split('"')[0]
-            counts[index] = counts.get(index, 0) + float(line.rsplit(" ", 1)[1])
-    return counts
-
-
 def test_the_sdk_opens_one_connection_per_api_process(tmp_path):
     port = free_port()
     node = Node(write_config(tmp_path, {"kind": "synthetic", "output_tokens": 4, "ttft_ms": 100}, port), port, 2)
@@ -54,7 +45,7 @@ def test_the_sdk_opens_one_connection_per_api_process(tmp_path):
 
         assert all(asyncio.run(batch()))
         assert opened(node, before, 2) == 2  # the node's published count: two lanes
-        served = answered_by_process(node.metrics())
+        served = per_process(node.metrics(), "zerolayer_requests_total", 'status="200"')  # any route
         assert set(served) == {"0", "1"} and sum(served.values()) == 20, served  # one lane on each process
 
         before = sum(connection_counts(node.metrics()).values())

@@ -25,11 +25,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_config(tmp: pathlib.Path, engine: dict, port: int, server: dict | None = None,
+def write_config(tmp: pathlib.Path, engine: dict, port: int, sections: dict | None = None,
                  **tenant_limits: int) -> pathlib.Path:
+    """A runtime config for one tenant (``acme``) with ``tenant_limits``; ``sections`` adds top-level
+    sections (``server``, ``gpu``, ``scheduler``, ...)."""
     config = {"listen": {"host": "127.0.0.1", "port": port}, "engine": engine,
               "tenants": [{"name": "acme", "keys": [{"sha256": hashlib.sha256(KEY.encode()).hexdigest()}],
-                           **tenant_limits}], **({"server": server} if server else {})}
+                           **tenant_limits}], **(sections or {})}
     path = tmp / "node.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -97,20 +99,33 @@ def post(url: str, body: dict = BODY) -> httpx.Response:
         return client.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
 
 
-def chat_counts(page: str) -> dict[str, float]:
+def serve_until_both(node: Node, body: dict = BODY) -> dict[str, float]:
+    """Requests on new connections until both API processes have answered one; the chat counts then."""
+    for _ in range(60):
+        counts = chat_counts(node.metrics())
+        if len(counts) == 2:
+            return counts
+        response = post(node.url, body)
+        assert response.status_code == 200, response.text
+    return chat_counts(node.metrics())
+
+
+def per_process(page: str, family: str, *labels: str) -> dict[str, float]:
+    """A counter's samples on the merged metrics page summed per ``api_process``, over the samples that
+    carry every one of ``labels`` (``'route="chat"'``, ...)."""
     counts: dict[str, float] = {}
     for line in page.splitlines():
-        if line.startswith("zerolayer_requests_total{") and 'route="chat"' in line and 'status="200"' in line:
+        if line.startswith(family + "{") and 'api_process="' in line and all(label in line for label in labels):
             index = line.split('api_process="')[1].split('"')[0]
             counts[index] = counts.get(index, 0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def chat_counts(page: str) -> dict[str, float]:
+    """Chat requests answered 200, per API process."""
+    return per_process(page, "zerolayer_requests_total", 'route="chat"', 'status="200"')
 
 
 def connection_counts(page: str, protocol: str = "h2") -> dict[str, float]:
     """Connections each API process accepted (``zerolayer_connections_total``), by ``api_process``."""
-    counts: dict[str, float] = {}
-    for line in page.splitlines():
-        if line.startswith("zerolayer_connections_total{") and f'protocol="{protocol}"' in line:
-            index = line.split('api_process="')[1].split('"')[0]
-            counts[index] = counts.get(index, 0) + float(line.rsplit(" ", 1)[1])
-    return counts
+    return per_process(page, "zerolayer_connections_total", f'protocol="{protocol}"')

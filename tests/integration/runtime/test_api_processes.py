@@ -20,7 +20,7 @@ import httpx
 import yaml
 
 import pytest
-from apiprocs_helpers import BODY, KEY, REPO, Node, chat_counts, free_port, post, write_config
+from apiprocs_helpers import BODY, KEY, REPO, Node, chat_counts, free_port, post, serve_until_both, write_config
 
 @pytest.mark.integration
 @pytest.mark.timeout(180)
@@ -33,11 +33,7 @@ def test_a_tenants_concurrency_holds_across_processes_and_the_node_stops_cleanly
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             codes = sorted(r.status_code for r in pool.map(lambda _: post(node.url), range(12)))
         assert codes.count(200) == 3 and codes.count(429) == 9, codes  # three streams on the node, not per process
-        # Both processes serve: sequential requests on new connections reach each (SO_REUSEPORT hashing).
-        for _ in range(60):
-            if len(chat_counts(node.metrics())) == 2:
-                break
-            assert post(node.url).status_code == 200
+        serve_until_both(node)  # sequential requests on new connections reach each process
         page = node.metrics()
         assert set(chat_counts(page)) == {"0", "1"}, page
         assert page.count("# TYPE zerolayer_requests_total counter") == 1  # one family, samples of both processes
@@ -103,11 +99,9 @@ def test_memory_pressure_sheds_the_node_s_largest_streams_first(tmp_path) -> Non
     scenario = tmp_path / "pressure.yaml"
     scenario.write_text(yaml.safe_dump({"at_end": "hold", "gpus": [{"steps": [
         {"memory": 0.5, "samples": 50}, {"memory": 0.99, "samples": 1}]}]}))  # 10 s calm at 200 ms a sample
-    config = write_config(tmp_path, {"kind": "synthetic", "output_tokens": 4000, "tokens_per_second": 20}, port)
-    data = yaml.safe_load(config.read_text())
-    data.update(gpu={"source": "simulated", "scenario": str(scenario)},
-                scheduler={"max_preemptions_per_tick": 1, "preempt_after_samples": 1})
-    config.write_text(yaml.safe_dump(data))
+    config = write_config(tmp_path, {"kind": "synthetic", "output_tokens": 4000, "tokens_per_second": 20}, port,
+                          {"gpu": {"source": "simulated", "scenario": str(scenario)},
+                           "scheduler": {"max_preemptions_per_tick": 1, "preempt_after_samples": 1}})
     node = Node(config, port, 2)
     ended: dict[int, float] = {}
     try:
@@ -128,14 +122,10 @@ def test_memory_pressure_sheds_the_node_s_largest_streams_first(tmp_path) -> Non
 def test_kernel_balance_still_serves_on_every_process(tmp_path) -> None:
     port = free_port()
     config = write_config(tmp_path, {"kind": "synthetic", "output_tokens": 4}, port,
-                          server={"connection_balance": "kernel"})
+                          {"server": {"connection_balance": "kernel"}})
     node = Node(config, port, 2)
     try:
-        for _ in range(60):
-            if len(chat_counts(node.metrics())) == 2:
-                break
-            assert post(node.url).status_code == 200
-        assert set(chat_counts(node.metrics())) == {"0", "1"}
+        assert set(serve_until_both(node)) == {"0", "1"}
     finally:
         assert node.stop() == 0, node.output()
 
@@ -161,7 +151,7 @@ def test_refused_configs_name_the_field(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "zerolayer.cli", "runtime", "--config", str(config),
                           "--api-processes", "0"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2 and "server.api_processes: an integer from 1 to 64" in out.stderr
-    config = write_config(tmp_path, {"kind": "synthetic"}, free_port(), server={"connection_balance": "random"})
+    config = write_config(tmp_path, {"kind": "synthetic"}, free_port(), {"server": {"connection_balance": "random"}})
     out = subprocess.run([sys.executable, "-m", "zerolayer.cli", "runtime", "--config", str(config),
                           "--api-processes", "2"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2 and "server.connection_balance: one of exact, kernel, got 'random'" in out.stderr
