@@ -166,9 +166,7 @@ def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, 
     engine = build_engine(config, **(api.engine_wiring() if api is not None else {}))
     if api is not None:
         reuse_port = True
-        wiring_handoff = api.handoff()
-    else:
-        wiring_handoff = None
+    handoff = api.handoff() if api is not None else None  # exact balance: the parent hands connections over
     ssl_context = tls_context(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key else None
     gpu_source = build_gpu_source(config, engine)
     wiring: dict[str, Any] = {}
@@ -201,7 +199,7 @@ def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, 
         required_headers=config.required_headers,
         metrics_on_serving_port=metrics_on_serving_port,
         reuse_port=config.reuse_port if reuse_port is None else reuse_port,
-        handoff=wiring_handoff,
+        handoff=handoff,
         server_core=config.server_core,
         **wiring,
     )

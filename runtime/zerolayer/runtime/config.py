@@ -217,12 +217,8 @@ def parse_server_core(server: Mapping[str, Any]) -> str:
     core = server["core"]
     if core not in SERVER_CORES:
         raise ConfigError(f"server.core: one of {', '.join(SERVER_CORES)}, got {core!r}")
-    if core == "native":
-        try:
-            import zerolayer_h2core  # noqa: F401
-        except ImportError as exc:
-            raise ConfigError("server.core: native needs the compiled core: "
-                              "run `python3 -m pip install ./native/h2core`") from exc
+    if core == "native" and not native_core_available():
+        raise ConfigError("server.core: native needs the compiled core: run `python3 -m pip install ./native/h2core`")
     return core
 
 
