@@ -26,7 +26,7 @@ def build_publisher(name: str, sink: StatusSink, *, engine: Any, draining: Calla
                     on_spec: Any = None,
                     fragmentation: Callable[[], Mapping[int, float]] | None = None,
                     demand: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
-                    peer_prefixes: Sequence[Any] = ()) -> GossipPublisher:
+                    peer_prefixes: Sequence[Any] = (), api_processes: int = 1) -> GossipPublisher:
     """A publisher (not started) for node ``name``: readings from ``recording`` (the server's GPU
     source, wrapped by whoever built the server), load from ``engine.stats()`` and ``draining()``,
     ``fragmentation()`` (the node agent passes gpu-defragd's CUDA allocator reading,
@@ -34,7 +34,8 @@ def build_publisher(name: str, sink: StatusSink, *, engine: Any, draining: Calla
     (``models``, adapters included) from ``engine.models``, read at each tick; the prefix-cache digest from the engines'
     ``served_prefixes`` (:func:`prefix_cache_of`); ``demand()`` the requests refused for models not
     served here (:meth:`zerolayer.runtime.serving.demand.DemandLedger.entries`); ``peer_prefixes`` the other
-    API processes' prefix records (:mod:`.prefix_board`). The caller wakes it after each
+    API processes' prefix records (:mod:`.prefix_board`) and ``api_processes`` their number (published as
+    ``apiProcesses``). The caller wakes it after each
     sample (``publisher.notify``) and sets ``publisher.state.endpoint`` once the port is known.
     """
     def readings():  # type: ignore[no-untyped-def]
@@ -49,7 +50,7 @@ def build_publisher(name: str, sink: StatusSink, *, engine: Any, draining: Calla
         served=lambda: engine.models,
         fragmentation=fragmentation, sample_seq=(lambda: recording.seq) if recording else None,
         tick_s=tick_s, on_spec=on_spec, prefix_cache=prefix_cache_of(engine, peer_prefixes), demand=demand,
-        engine_preallocates=bool(getattr(engine, "preallocates_gpu_memory", False)),
+        engine_preallocates=bool(getattr(engine, "preallocates_gpu_memory", False)), api_processes=api_processes,
     )
 
 

@@ -114,7 +114,7 @@ class GossipPublisher:
                  demand: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
                  on_spec: Callable[[Mapping[str, Any]], None] | None = None,
                  served: Callable[[], Sequence[str]] | None = None,
-                 engine_preallocates: bool = False,
+                 engine_preallocates: bool = False, api_processes: int = 1,
                  tick_s: float = 0.2, history: int = 1000,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.name = name
@@ -128,7 +128,8 @@ class GossipPublisher:
         self._served = served
         self._fixed_settings = settings is not None
         self._on_spec = on_spec
-        self.state = GossipState(settings, endpoint=endpoint, models=models, engine_preallocates=engine_preallocates)
+        self.state = GossipState(settings, endpoint=endpoint, models=models, engine_preallocates=engine_preallocates,
+                                 api_processes=api_processes)
         self.tick_s = tick_s
         self._clock = clock
         self._wall = wall

@@ -244,7 +244,7 @@ class GossipState:
                  models: Sequence[str] = (), engine_preallocates: bool = False, api_processes: int = 1) -> None:
         """``engine_preallocates``: the engine takes its GPU memory at start (vLLM), which makes
         ``pressureSignal: auto`` the KV cache (:func:`~zerolayer.runtime.scheduler.pressure.resolve_pressure_signal`).
-        ``api_processes``: the node's API processes, published as ``apiProcesses`` (the node agent sets it)."""
+        ``api_processes``: the node's API processes, published as ``apiProcesses``."""
         self.settings = settings or GossipSettings()
         self.api_processes = api_processes
         self.engine_preallocates = engine_preallocates

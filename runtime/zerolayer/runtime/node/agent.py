@@ -215,10 +215,10 @@ class NodeAgent:
                                     on_spec=lambda spec: _adopt_price(self.meter, spec),
                                     fragmentation=allocator_fragmentation,
                                     demand=server.app.demand.entries if server.app.demand is not None else None,
-                                    peer_prefixes=self.prefix_share.peers() if self.prefix_share is not None else ())
+                                    peer_prefixes=self.prefix_share.peers() if self.prefix_share is not None else (),
+                                    api_processes=self.api_processes)
         if not publisher.state.endpoint:
             publisher.state.endpoint = advertised_endpoint(server.base_url, server.host, server.port)
-        publisher.state.api_processes = self.api_processes
         self.publisher = publisher
         publisher.start()
         self.watcher = self._fleet_watcher()
