@@ -165,3 +165,39 @@ async def test_the_receiver_stops_when_the_acceptor_is_gone() -> None:
         await settle(lambda: node.receivers[0].channel.fileno() == -1)
     finally:
         node.stop()
+
+
+def test_the_acceptor_waits_when_it_runs_out_of_descriptors() -> None:
+    """EMFILE leaves the connection queued, so accept fails again at once: the thread must pause, not spin."""
+    import errno
+    import threading
+    import time
+
+    class OutOfDescriptors:
+        def __init__(self) -> None:
+            self.calls = 0
+            self.stopped = threading.Event()
+
+        def listen(self, backlog: int) -> None:
+            pass
+
+        def setblocking(self, flag: bool) -> None:
+            pass
+
+        def accept(self):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            if self.stopped.is_set():
+                raise OSError(errno.EINVAL, "shut down")
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        def shutdown(self, how: int) -> None:
+            self.stopped.set()
+
+    listener = OutOfDescriptors()
+    acceptor = Acceptor(listener, [], [])  # type: ignore[arg-type]
+    acceptor.start()
+    time.sleep(0.3)
+    calls = listener.calls
+    acceptor._stopping = True
+    listener.stopped.set()
+    assert calls == 1  # one failed accept, then the pause (ACCEPT_RETRY_S); a spin makes thousands

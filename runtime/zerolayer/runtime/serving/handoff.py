@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 import ssl
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
 
 BALANCES = ("exact", "kernel")
 BACKLOG = socket.SOMAXCONN
+ACCEPT_RETRY_S = 1.0  # after an accept that failed for want of descriptors or memory (asyncio waits 1 s too)
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -89,10 +92,16 @@ class Acceptor:
         while not self._stopping:
             try:
                 conn, _ = self.listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self._stopping:
                     return
-                continue  # ECONNABORTED, EMFILE...: the next accept may succeed
+                # ECONNABORTED: the next accept may succeed at once. EMFILE/ENFILE/ENOBUFS: the connection
+                # stays queued and accept fails again at once until descriptors free up, so wait a moment
+                # rather than spin this thread (asyncio's own accept loop pauses the same way).
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("accepting connections: %s; retrying in %.1f s", exc, ACCEPT_RETRY_S)
+                    time.sleep(ACCEPT_RETRY_S)
+                continue
             try:
                 self.hand(conn)
             except OSError as exc:  # a process's channel is gone: the node is stopping (apiprocs._watch)
