@@ -6,12 +6,17 @@ vLLM fixes at start whether LoRA is on and the largest rank it takes (``enable_l
 (``AsyncLLM.add_lora``/``remove_lora``, vLLM's dynamic LoRA). :class:`AdapterSet` keeps the served
 names and vLLM's ``LoRARequest`` of each in step, so a name is served exactly while its request
 exists. vLLM is imported lazily, as in :mod:`.vllm_engine`.
+
+vLLM's engine core keys an adapter by its ``lora_int_id``. Several API processes are clients of one
+engine core (docs/api-processes.md), so every process must give one adapter one id, and two
+adapters two: :func:`adapter_id` derives it from the adapter's name and folder alone, with no
+counter and no talk between processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import hashlib
 import json
 import os
 from typing import Any, Mapping, Sequence
@@ -33,6 +38,19 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM's own default ``max_lora_rank``: adapters added while running fit up to the rank the engine
 # started with, so a start with adapters leaves at least this much room.
 DEFAULT_LORA_RANK = 16
+
+
+# vLLM keeps ids in int32 arrays (v1/worker/gpu/lora_utils.py) and wants them > 0.
+LORA_ID_SPACE = 2**31 - 1
+
+
+def adapter_id(adapter: LoraAdapter) -> int:
+    """vLLM's ``lora_int_id`` for ``adapter``: from its name and folder alone (SHA-256, into
+    1..2**31-1), so every API process, in whatever order it loads adapters and however often, gives
+    one adapter the same id, and the same name on a new folder a new one (vLLM's ``add_lora`` keeps
+    what it has under a known id). Not Python's ``hash()``: that is salted per process."""
+    digest = hashlib.sha256(f"{adapter.name}\0{adapter.path}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % LORA_ID_SPACE + 1
 
 
 def adapter_rank(adapter: LoraAdapter) -> int:
@@ -65,17 +83,30 @@ def lora_args(adapters: Sequence[LoraAdapter], given: Mapping[str, Any]) -> dict
 
 class AdapterSet:
     """The adapters of base model ``base``: their names (served after the base model's) and, once
-    :meth:`start_args` has run, vLLM's ``LoRARequest`` for each (ids never reused)."""
+    :meth:`start_args` has run, vLLM's ``LoRARequest`` for each, under :func:`adapter_id`'s id."""
 
     def __init__(self, base: str, adapters: Sequence[LoraAdapter]) -> None:
         names = [base, *(a.name for a in adapters)]
         if len(set(names)) != len(names):
             raise ConfigError(f"model {base!r}: adapter names must be unique and differ from the model's")
         self.base = base
-        self.adapters = tuple(adapters)
+        self.adapters: tuple[LoraAdapter, ...] = ()
+        self._ids: dict[str, int] = {}  # served adapter -> its lora_int_id
+        for adapter in adapters:
+            self._ids[adapter.name] = self._free_id(adapter)
+            self.adapters = (*self.adapters, adapter)
         self.max_rank: int | None = None  # LoRA on: the largest rank the engine takes
         self._requests: dict[str, Any] = {}
-        self._ids = itertools.count(1)
+
+    def _free_id(self, adapter: LoraAdapter) -> int:
+        """``adapter``'s id; ConfigError when a served adapter has it (a 1 in 2**31 chance per pair):
+        one id would load one adapter's weights for both."""
+        ident = adapter_id(adapter)
+        clash = next((name for name, other in self._ids.items() if other == ident), None)
+        if clash is not None:
+            raise ConfigError(f"adapter {adapter.name!r}: its LoRA id {ident} (from its name and path) is "
+                              f"that of adapter {clash!r}; rename one of them")
+        return ident
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -95,7 +126,7 @@ class AdapterSet:
         if self.adapters:
             from vllm.lora.request import LoRARequest
 
-            self._requests = {a.name: LoRARequest(a.name, next(self._ids), a.path) for a in self.adapters}
+            self._requests = {a.name: LoRARequest(a.name, self._ids[a.name], a.path) for a in self.adapters}
         return args
 
     def request(self, name: str | None) -> Any:
@@ -121,22 +152,27 @@ class AdapterSet:
         if rank > self.max_rank:
             raise ConfigError(f"adapter {adapter.name!r}: rank {rank} is above the engine's max_lora_rank "
                               f"{self.max_rank}, fixed at start (a restart takes it)")
+        ident = self._free_id(adapter)
         from vllm.lora.request import LoRARequest
 
-        request = LoRARequest(adapter.name, next(self._ids), adapter.path)
+        request = LoRARequest(adapter.name, ident, adapter.path)
         try:
             await llm.add_lora(request)
         except Exception as exc:  # vLLM raises plain errors for unreadable or mismatched adapters
             raise EngineError(f"vLLM could not load adapter {adapter.name!r} from {adapter.path}: {exc}") from exc
         self._requests[adapter.name] = request
+        self._ids[adapter.name] = ident
         self.adapters = (*self.adapters, adapter)
 
     async def remove(self, llm: Any, name: str) -> None:
         """Stop serving adapter ``name`` at once (new requests naming it are refused), then unload it
-        (``remove_lora``); streams already running on it keep their request and finish."""
+        (``remove_lora``); streams already running on it keep their request and finish: vLLM loads
+        again any adapter a scheduled request carries (so does a request another API process of the
+        same engine core admitted before its own watcher removed the adapter)."""
         request = self._requests.pop(name, None)
         if request is None:
             raise ConfigError(f"adapter {name!r} is not served by model {self.base!r}")
+        self._ids.pop(name, None)
         self.adapters = tuple(a for a in self.adapters if a.name != name)
         if llm is not None:
             await llm.remove_lora(request.lora_int_id)

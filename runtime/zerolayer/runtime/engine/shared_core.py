@@ -10,6 +10,10 @@ HTTP/2 stream to the engine core over vLLM's own ZMQ channel: no hop is added.
 vLLM's scheduler statistics (running, waiting, KV-cache use) reach whichever client's outputs a step
 carries, so one process may see none for a while; :class:`SharedEngineStats` keeps the freshest
 sample any process received, for every process's pressure view.
+
+LoRA adapters: each process builds the ``LoRARequest`` of the requests it admits, under the id every
+process gives that adapter (:func:`~zerolayer.runtime.engine.lora.adapter_id`), so the engine core
+loads an adapter once; in a cluster each process runs its own adapter sync (docs/api-processes.md).
 """
 
 from __future__ import annotations
@@ -86,11 +90,6 @@ class SharedEngineCore:
     def __init__(self, engine: Any, count: int) -> None:
         if count < 2:
             raise ConfigError("a shared engine core is for two API processes or more")
-        if engine.lora.adapters or engine.engine_args().get("enable_lora"):
-            # vllm serve refuses runtime LoRA updates with --api-server-count > 1 for the same reason:
-            # each API process would load and count adapters on its own.
-            raise ConfigError("server.api_processes > 1 does not serve LoRA adapters (vllm serve refuses runtime "
-                              "LoRA updates with --api-server-count > 1 too); use one API process")
         if isinstance(engine.served_prefixes, EngineCachedPrefixes):  # prefix_digest: kv_events
             raise ConfigError("server.api_processes > 1 with prefix_digest: kv_events is not supported (each API "
                               "process would need the engine's KV events); use prefix_digest: served")
