@@ -12,10 +12,18 @@ migrates from, used as the fallback) gets a pool that speaks HTTP/1.1 or ALPN h2
 surfaces an RST_STREAM as ``RemoteProtocolError(<h2 StreamReset event>)`` and a GOAWAY as
 ``RemoteProtocolError(<h2 ConnectionTerminated event>)``; httpx re-raises them ``from``
 the httpcore exception, so the h2 event is found on the cause chain.
+
+A draining connection (a runtime stopping, or a connection past its ``server.max_connection_age_s``)
+finishes its streams and answers new ones RST_STREAM(REFUSED_STREAM) until its last stream ends, and
+only then sends GOAWAY (httpcore would fail the open streams on an earlier one). httpcore keeps
+choosing such a connection, so a lane whose request is refused that way gets a new pool: the retry
+and every later request open a fresh connection, while the old pool's requests finish; it is closed
+when its last one ends (:meth:`LanedPool._failed`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import weakref
@@ -25,6 +33,7 @@ import h2.events
 import h2.exceptions
 import httpx
 
+from zerolayer.contract import H2_REFUSED_STREAM
 from zerolayer.version import __version__
 
 from . import errors, wire
@@ -70,6 +79,8 @@ class LanedPool(Generic[_Pool]):
         self.lanes = lanes
         self.pools: list[_Pool] = []
         self.closed = False
+        self._in_flight: collections.Counter[int] = collections.Counter()  # requests per pool (by id)
+        self._retired: dict[int, _Pool] = {}  # pools replaced after a refusal, closed when idle
 
     def _pool(self, index: int) -> _Pool:
         if self.closed:
@@ -78,29 +89,61 @@ class LanedPool(Generic[_Pool]):
             self.pools.append(self._make())
         return self.pools[index]
 
+    def _enter(self, index: int) -> _Pool:
+        pool = self._pool(index)
+        self._in_flight[id(pool)] += 1
+        return pool
+
+    def _failed(self, index: int, pool: _Pool, exc: BaseException) -> None:
+        """A stream refused by its connection (RST_STREAM REFUSED_STREAM: it is draining): lane ``index``
+        gets a new pool, so the next request opens a new connection; ``pool`` is retired."""
+        if refused_stream(exc) and index < len(self.pools) and self.pools[index] is pool:
+            self.pools[index] = self._make()
+            self._retired[id(pool)] = pool
+
+    def _leave(self, pool: _Pool) -> _Pool | None:
+        """One request of ``pool`` is over; the pool itself when it is retired and that was its last."""
+        key = id(pool)
+        self._in_flight[key] -= 1
+        if self._in_flight[key] > 0:
+            return None
+        del self._in_flight[key]
+        return self._retired.pop(key, None)
+
+    def _all_pools(self) -> list[_Pool]:
+        pools, self._retired = [*self.pools, *self._retired.values()], {}
+        return pools
+
 
 class SyncLanedPool(LanedPool[httpx.Client]):
     """One thread's lanes (the sync client's pools are per thread, see :class:`PerThreadPool`)."""
 
     def post(self, url: str, **kwargs: Any) -> httpx.Response:
-        lane = self.lanes.take(url)
-        try:
-            return self._pool(lane.number).post(url, **kwargs)
-        finally:
-            self.lanes.done(lane)
+        with self.stream("POST", url, **kwargs) as response:
+            response.read()
+            return response
 
     @contextlib.contextmanager
     def stream(self, method: str, url: str, **kwargs: Any) -> Iterator[httpx.Response]:
         lane = self.lanes.take(url)
+        pool: httpx.Client | None = None
         try:
-            with self._pool(lane.number).stream(method, url, **kwargs) as response:
+            pool = self._enter(lane.number)
+            with pool.stream(method, url, **kwargs) as response:
                 yield response
+        except TRANSPORT_ERRORS as exc:
+            if pool is not None:
+                self._failed(lane.number, pool, exc)
+            raise
         finally:
             self.lanes.done(lane)
+            idle = self._leave(pool) if pool is not None else None
+            if idle is not None:
+                idle.close()
 
     def close(self) -> None:
         self.closed = True
-        for pool in self.pools:
+        for pool in self._all_pools():
             pool.close()
 
 
@@ -108,24 +151,31 @@ class AsyncLanedPool(LanedPool[httpx.AsyncClient]):
     """The async client's lanes (one event loop: one set of pools)."""
 
     async def post(self, url: str, **kwargs: Any) -> httpx.Response:
-        lane = self.lanes.take(url)
-        try:
-            return await self._pool(lane.number).post(url, **kwargs)
-        finally:
-            self.lanes.done(lane)
+        async with self.stream("POST", url, **kwargs) as response:
+            await response.aread()
+            return response
 
     @contextlib.asynccontextmanager
     async def stream(self, method: str, url: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
         lane = self.lanes.take(url)
+        pool: httpx.AsyncClient | None = None
         try:
-            async with self._pool(lane.number).stream(method, url, **kwargs) as response:
+            pool = self._enter(lane.number)
+            async with pool.stream(method, url, **kwargs) as response:
                 yield response
+        except TRANSPORT_ERRORS as exc:
+            if pool is not None:
+                self._failed(lane.number, pool, exc)
+            raise
         finally:
             self.lanes.done(lane)
+            idle = self._leave(pool) if pool is not None else None
+            if idle is not None:
+                await idle.aclose()
 
     async def aclose(self) -> None:
         self.closed = True
-        for pool in self.pools:
+        for pool in self._all_pools():
             await pool.aclose()
 
 
@@ -253,3 +303,9 @@ def convert_error(
 
 
 TRANSPORT_ERRORS = (httpx.HTTPError, h2.exceptions.H2Error)
+
+
+def refused_stream(exc: BaseException) -> bool:
+    """Whether ``exc`` is an RST_STREAM(REFUSED_STREAM): the connection took no new stream (it drains)."""
+    event = _h2_cause(exc)
+    return isinstance(event, h2.events.StreamReset) and int(event.error_code) == H2_REFUSED_STREAM

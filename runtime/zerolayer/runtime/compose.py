@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from zerolayer.runtime.config import RuntimeConfig
     from zerolayer.runtime.node.incluster import KubeReader
     from zerolayer.runtime.serving.server import RuntimeServer
+    from zerolayer.runtime.serving.transport import ConnectionAge
     from zerolayer.runtime.serving.tracing import OtlpTracer
     from zerolayer.runtime.apiprocs import ApiProcess
     from zerolayer.runtime.scheduler.api import Scheduler
@@ -201,9 +202,22 @@ def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, 
         reuse_port=config.reuse_port if reuse_port is None else reuse_port,
         handoff=handoff,
         server_core=config.server_core,
+        connection_age=build_connection_age(config),
         **wiring,
     )
     return Runtime(server, agent, probe, tracer=tracer)
+
+
+def build_connection_age(config: "RuntimeConfig") -> "ConnectionAge | None":
+    """``server.max_connection_age_s`` with its grace: ``server.max_connection_age_grace_s``, else
+    ``limits.drain_timeout_s`` (what a stream may take to finish when its connection is asked to go on
+    SIGTERM); None when the age is unset."""
+    from zerolayer.runtime.serving.transport import ConnectionAge
+
+    if config.max_connection_age_s is None:
+        return None
+    grace = config.max_connection_age_grace_s
+    return ConnectionAge(config.max_connection_age_s, config.limits.drain_timeout_s if grace is None else grace)
 
 
 def build_scheduler(config: "RuntimeConfig", fleet_quota: bool, api: "ApiProcess | None") -> "Scheduler":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import pathlib
 from typing import Any, Mapping, Sequence
@@ -47,6 +48,10 @@ class RuntimeConfig:
     server_core: str = "python"  # server.core: the protocol cores, "python" (h2conn, h1conn) or "native" (Rust h2, llhttp)
     api_processes: int = 1  # server.api_processes: processes serving the port, sharing one engine core and one quota board
     connection_balance: str = "exact"  # server.connection_balance: how API processes share connections (serving/handoff.py)
+    # server.max_connection_age_s / _grace_s: a connection older than the age (+-10 %) is drained, and
+    # closed once the grace has passed too (serving/transport.py ConnectionAge); None: never / limits.drain_timeout_s.
+    max_connection_age_s: float | None = None
+    max_connection_age_grace_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +177,6 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
     if not isinstance(interval_ms, (int, float)) or interval_ms <= 0:
         raise ConfigError("telemetry.sample_interval_ms: expected a positive number")
     server = _mapping(data.get("server"), "server")
-    server_core = parse_server_core(server)
     return RuntimeConfig(
         host=str(listen.get("host", "127.0.0.1")),
         port=port,
@@ -189,13 +193,15 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         required_headers=tuple(required),
         reuse_port=reuse_port,
         tracing=parse_tracing(telemetry.get("tracing")),
-        server_core=server_core,
+        server_core=parse_server_core(server),  # first: it refuses unknown server keys
         api_processes=parse_api_processes(server, engines, "engines" in data),
         connection_balance=parse_connection_balance(server),
+        **parse_connection_age(server),
     )
 
 
 SERVER_CORES = ("python", "native")
+SERVER_KEYS = ("core", "api_processes", "connection_balance", "max_connection_age_s", "max_connection_age_grace_s")
 
 
 def native_core_available() -> bool:
@@ -209,9 +215,9 @@ def native_core_available() -> bool:
 
 def parse_server_core(server: Mapping[str, Any]) -> str:
     """``server.core``: which HTTP/2 core serves h2 connections (docs/server-core.md, "The native core")."""
-    unknown = sorted(set(server) - {"core", "api_processes", "connection_balance"})
+    unknown = sorted(set(server) - set(SERVER_KEYS))
     if unknown:
-        raise ConfigError(f"server: unknown keys {', '.join(unknown)} (known: core, api_processes, connection_balance)")
+        raise ConfigError(f"server: unknown keys {', '.join(unknown)} (known: {', '.join(SERVER_KEYS)})")
     if "core" not in server:
         return "native" if native_core_available() else "python"
     core = server["core"]
@@ -247,6 +253,25 @@ def parse_connection_balance(server: Mapping[str, Any]) -> str:
     if balance not in BALANCES:
         raise ConfigError(f"server.connection_balance: one of {', '.join(BALANCES)}, got {balance!r}")
     return str(balance)
+
+
+def parse_connection_age(server: Mapping[str, Any]) -> dict[str, float | None]:
+    """``server.max_connection_age_s`` (> 0; unset or null: connections are never aged) and
+    ``server.max_connection_age_grace_s`` (>= 0; unset or null: ``limits.drain_timeout_s``), docs/runtime.md."""
+    return {"max_connection_age_s": parse_seconds(server, "max_connection_age_s"),
+            "max_connection_age_grace_s": parse_seconds(server, "max_connection_age_grace_s", zero=True)}
+
+
+def parse_seconds(server: Mapping[str, Any], key: str, *, zero: bool = False) -> float | None:
+    """``server.<key>``, a finite number of seconds, > 0 (with ``zero``: >= 0); None when unset or null."""
+    value = server.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero):
+        floor = ">= 0" if zero else "> 0"
+        raise ConfigError(f"server.{key}: a number of seconds {floor}, got {value!r}")
+    return float(value)
 
 
 def parse_engines(data: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:

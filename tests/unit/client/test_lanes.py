@@ -8,9 +8,10 @@ import asyncio
 import threading
 
 import pytest
-from h2peer import Respond
+from h2peer import Reset, Respond, Stream, default_handler, sse_events
 
 from zerolayer.client import AsyncClient, Client
+from zerolayer.contract import H2_REFUSED_STREAM
 from zerolayer.client.lanes import LaneWidth, Lanes, check_connections_per_node, origin
 from zerolayer.client.nodes import Node, StaticNodeMap, node_from_status
 
@@ -183,3 +184,45 @@ def test_sync_threads_keep_their_own_lanes(peer):
         for t in threads:
             t.join()
     assert peer.connections == 6  # 3 threads x 2 lanes (httpx's sync HTTP/2 is per thread, encode/httpx#3566)
+
+
+# --------------------------------------------------------------------------- a draining connection
+def drains_first_connection(req):  # noqa: ANN001 - h2peer handler
+    """Connection 1 drains: its stream runs on (0.3 s), new streams are refused (REFUSED_STREAM)."""
+    if req.connection != 1:
+        return default_handler(req)
+    if (req.json or {}).get("stream"):
+        return Stream(sse_events(req, ["a"] * 6), delay_s=0.05)
+    return Reset(H2_REFUSED_STREAM)
+
+
+async def test_a_refused_stream_moves_the_lane_to_a_new_connection_while_the_old_one_finishes(peer):
+    """What a runtime past server.max_connection_age_s does: the retry and later requests go on a new
+    connection, the stream open on the old one completes, and the old pool closes after it."""
+    peer.handler = drains_first_connection
+    async with AsyncClient(api_key="k", base_url=peer.url, max_retries=1) as c:
+        stream = await c.messages.create(model="tiny", max_tokens=8, messages=HI, stream=True)
+        events = stream.__aiter__()
+        seen = [await events.__anext__()]
+        old = c._pool.pools[0]
+        reply = await c.messages.create(model="tiny", max_tokens=4, messages=HI)  # refused on 1, then on 2
+        assert reply.id.startswith("msg_2_") and c._pool.pools[0] is not old and not old.is_closed
+        seen += [event async for event in events]
+        assert seen[-1].type == "message_stop" and old.is_closed  # retired once its last request ended
+        assert (await c.messages.create(model="tiny", max_tokens=4, messages=HI)).id.startswith("msg_2_")
+    assert peer.connections == 2 and c._pool.pools[0].is_closed
+
+
+def test_the_sync_client_moves_too(peer):
+    peer.handler = drains_first_connection
+    with Client(api_key="k", base_url=peer.url, max_retries=1) as c:
+        with c.messages.create(model="tiny", max_tokens=8, messages=HI, stream=True) as stream:
+            events = iter(stream)
+            assert next(events).type == "message_start"
+            old = c._pool._pool().pools[0]
+            assert c.messages.create(model="tiny", max_tokens=4, messages=HI).id.startswith("msg_2_")
+            rest = list(events)
+            assert rest[-1].type == "message_stop" and sum(e.type == "content_block_delta" for e in rest) == 6
+        assert old.is_closed and c._pool._pool().pools[0] is not old
+        assert c.messages.create(model="tiny", max_tokens=4, messages=HI).id.startswith("msg_2_")
+    assert peer.connections == 2

@@ -55,11 +55,15 @@ class ClusterReadError(RuntimeServerError):
 
 
 # --------------------------------------------------------------------------- pure builders
+SERVER_FIELDS = {"serverCore": "core", "apiProcesses": "api_processes", "maxConnectionAgeSeconds": "max_connection_age_s",
+                 "maxConnectionAgeGraceSeconds": "max_connection_age_grace_s"}  # spec.runtime -> server.*
+
+
 def server_section(runtime: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
     """The config's ``server:`` from the node's ``spec.runtime`` over the base file's: ``serverCore`` (the
-    HTTP/2 core, docs/server-core.md) and ``apiProcesses`` (docs/api-processes.md); else the base's."""
-    names = {"serverCore": "core", "apiProcesses": "api_processes"}
-    return {**base, **{key: runtime[field] for field, key in names.items() if field in runtime}}
+    HTTP/2 core, docs/server-core.md), ``apiProcesses`` (docs/api-processes.md) and the connection age
+    (``maxConnectionAge(Grace)Seconds``, docs/runtime.md); else the base's."""
+    return {**base, **{key: runtime[field] for field, key in SERVER_FIELDS.items() if field in runtime}}
 
 
 def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -110,7 +114,7 @@ def config_from_inferencenode(inode: Mapping[str, Any], base: Mapping[str, Any] 
     config["listen"] = listen
     if runtime.get("tlsSecretName"):
         config["tls"] = {"cert": f"{TLS_DIR}/tls.crt", "key": f"{TLS_DIR}/tls.key"}
-    if "serverCore" in runtime or "apiProcesses" in runtime:
+    if any(field in runtime for field in SERVER_FIELDS):
         config["server"] = server_section(runtime, config.get("server") or {})
     scheduler = spec.get("scheduler") or {}
     config["scheduler"] = scheduler_marks(scheduler, config.get("scheduler") or {})

@@ -107,6 +107,9 @@ class RuntimeMetrics:
         self.pings = Counter("zerolayer_h2_pings_sent", "Keep-alive PINGs sent on idle connections.", registry=r)
         self.idle_closed = Counter("zerolayer_idle_connections_closed", "Connections closed by the idle timeout.",
                                    registry=r)
+        self.connections_aged = Counter(
+            "zerolayer_connections_aged", "Connections past server.max_connection_age_s (stage=drain; an idle one drains "
+            "at its next request) and those closed still open at the grace's end (stage=grace).", ["stage"], registry=r)
         self._request_children: dict[tuple[str, int], Counter] = {}
         self._token_children: dict[tuple[str, str], Counter] = {}
         # Every limit appears at 0 from the start, so alerts can be written before the first hit.

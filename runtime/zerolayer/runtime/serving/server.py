@@ -33,7 +33,7 @@ from zerolayer.runtime.scheduler.pressure import pressure_from_readings, resolve
 from zerolayer.runtime.serving.session import TokenSink
 from zerolayer.runtime.serving.tracing import Tracer
 from zerolayer.runtime.tenants import Tenant, TenantDirectory
-from zerolayer.runtime.serving.transport import Connection, ConnectionContext, PeerLedger
+from zerolayer.runtime.serving.transport import Connection, ConnectionAge, ConnectionContext, PeerLedger
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class RuntimeServer:
         reuse_port: bool = False,
         handoff: HandoffReceiver | None = None,
         server_core: str = "python",
+        connection_age: ConnectionAge | None = None,
         token_sink: TokenSink | None = None,
         extra_metrics: Sequence[Callable[[], bytes]] = (),
         fleet: Callable[[], FleetMap | None] | None = None,
@@ -111,10 +112,8 @@ class RuntimeServer:
         self.tenants = tenants if isinstance(tenants, TenantDirectory) else TenantDirectory(tenants)
         self.gpu_source = gpu_source
         self.limits = limits or Limits()
-        self.host = host
-        self.port = port
-        self.ssl_context = ssl_context
-        self.sample_interval_s = sample_interval_s
+        self.host, self.port = host, port
+        self.ssl_context, self.sample_interval_s = ssl_context, sample_interval_s
         self.last_pressure: Pressure | None = None
         self.last_readings: Sequence[GpuReading] = ()  # the last good GPU sample (zerolayer_gpu_* gauges)
         self.metrics = self._runtime_metrics()
@@ -138,7 +137,8 @@ class RuntimeServer:
             peers=PeerLedger(self.limits),  # connection caps
             body_budget=BodyBudget.from_limits(self.limits),  # request bodies buffered, all connections
             metrics=self.metrics, draining=lambda: self.draining,
-            server_core=server_core, ended=handoff.ended if handoff is not None else lambda: None)
+            server_core=server_core, ended=handoff.ended if handoff is not None else lambda: None,
+            age=connection_age)  # server.max_connection_age_s
         self._servers: list[asyncio.base_events.Server] = []
         self._sampler: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()

@@ -4,10 +4,11 @@ One :class:`Connection` per TCP connection. It picks the core — HTTP/2 when TL
 chose ``h2`` or the first bytes are the HTTP/2 preface (h2c prior knowledge), else
 HTTP/1.1 — feeds it bytes, writes what it produces, runs a task per ready request and
 keeps the timers: PING when idle, idle timeout, the cores' slow-peer timeouts
-(``expire``), and the drain deadline. Backpressure: a stream's producer waits while its
-queue is above the low-water mark or while the socket's write buffer is over asyncio's
-high-water mark, but no longer than ``write_timeout_s`` without progress: then the
-stream is reset (a peer that stops reading must not hold its stream and quota forever).
+(``expire``), the drain deadline and the connection's age (:class:`ConnectionAge`).
+Backpressure: a stream's producer waits while its queue is above the low-water mark or
+while the socket's write buffer is over asyncio's high-water mark, but no longer than
+``write_timeout_s`` without progress: then the stream is reset (a peer that stops reading
+must not hold its stream and quota forever).
 
 Connections are capped in all (``max_connections``) and per peer address
 (``max_connections_per_peer``) by the process's :class:`PeerLedger`; one over a cap is
@@ -25,6 +26,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import random
 import re
 from typing import Any, Callable, Protocol, Sequence
 
@@ -115,6 +117,34 @@ class PeerLedger:
             del self.by_peer[peer]
 
 
+@dataclasses.dataclass(frozen=True)
+class ConnectionAge:
+    """``server.max_connection_age_s`` and ``server.max_connection_age_grace_s`` (docs/runtime.md, "Connection age").
+
+    A connection older than its age (``max_age_s`` +-``jitter``, drawn once per connection so those opened
+    together do not all reconnect together) starts the drain SIGTERM starts (``start_drain``): HTTP/2 finishes
+    its open streams, refuses new ones (REFUSED_STREAM) and sends GOAWAY once none is open; HTTP/1.1 puts
+    ``connection: close`` on a response not yet begun and closes after the response in progress. A connection
+    idle at its age starts that drain at its next request, which is served: closed while idle, it would fail
+    that request for a client that does not read an idle connection (httpcore's HTTP/2); until then the idle
+    timeout applies as to any. Still open ``grace_s`` after its drain began, it is closed, cutting what still
+    runs. A plain HTTP/2 client keeps one connection for ever: this moves it, in time, to a node or API
+    process that joined since (gRPC's MAX_CONNECTION_AGE(_GRACE)).
+    """
+
+    max_age_s: float
+    grace_s: float
+    jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.max_age_s > 0 or not self.grace_s >= 0 or not 0 <= self.jitter < 1:
+            raise ValueError(f"ConnectionAge: max_age_s > 0, grace_s >= 0, 0 <= jitter < 1; got {self}")
+
+    def draw(self, rng: Callable[[], float] = random.random) -> float:
+        """One connection's age limit, uniform in ``max_age_s`` x [1 - jitter, 1 + jitter]."""
+        return self.max_age_s * (1.0 + self.jitter * (2.0 * rng() - 1.0))
+
+
 class StreamHandler(Protocol):
     """What a connection asks of the application (:class:`zerolayer.runtime.serving.app.Application`)."""
 
@@ -139,7 +169,8 @@ class ConnectionContext:
     """Everything a :class:`Connection` may use, shared by every connection of one listener.
 
     ``connections`` holds the open ones (the server drains and closes them); ``draining()`` says
-    whether a new connection starts draining at once (the server is stopping).
+    whether a new connection starts draining at once (the server is stopping); ``age``, when set,
+    drains and then closes each connection past its age (:class:`ConnectionAge`).
     """
 
     app: StreamHandler
@@ -154,6 +185,7 @@ class ConnectionContext:
     # Called once when any connection ends, counted or refused at a cap (handoff.HandoffReceiver.ended:
     # the parent's acceptor counts a process's open connections).
     ended: Callable[[], None] = lambda: None
+    age: ConnectionAge | None = None  # server.max_connection_age_s: None, connections are never aged
 
 
 def peer_address(transport: asyncio.BaseTransport) -> str:
@@ -205,6 +237,48 @@ class _Channel:
         self.conn.flush()
 
 
+class _AgeTimer:
+    """One connection's :class:`ConnectionAge`: at its age, drain as on SIGTERM (a connection idle then, at its
+    next request); at the grace's end, close. Cancelled when the connection is lost."""
+
+    __slots__ = ("conn", "grace_s", "handle", "waiting")
+
+    def __init__(self, conn: "Connection", age: ConnectionAge, loop: asyncio.AbstractEventLoop) -> None:
+        self.conn, self.grace_s, self.waiting = conn, age.grace_s, False
+        self.handle = loop.call_later(age.draw(), self._aged)
+
+    def _aged(self) -> None:
+        conn = self.conn
+        if conn.closed:
+            return
+        conn.context.metrics.connections_aged.labels("drain").inc()
+        # Idle: wait for the next request instead of closing now. A client that does not read while idle
+        # (httpcore over HTTP/2) would write its next request into a closed socket and fail it; that
+        # request is served instead, and the drain starts with it (its response carries the signal).
+        self.waiting = conn.core is not None and not conn.core.open_streams and not conn.core.draining
+        if not self.waiting:
+            self.drain()
+
+    def request_taken(self) -> None:
+        """A request is ready on the connection: an aged idle one starts its drain now."""
+        if self.waiting:
+            self.waiting = False
+            self.drain()
+
+    def drain(self) -> None:
+        self.conn.start_drain()
+        if not self.conn.closed:
+            self.handle = asyncio.get_running_loop().call_later(self.grace_s, self._grace_over)
+
+    def _grace_over(self) -> None:
+        if not self.conn.closed:
+            self.conn.context.metrics.connections_aged.labels("grace").inc()
+            self.conn.close()
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
 class Connection(asyncio.Protocol):
     def __init__(self, context: ConnectionContext, tls: bool) -> None:
         self.context = context
@@ -219,6 +293,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._writable = asyncio.Event()
         self._timer: asyncio.Task[None] | None = None
+        self._age_timer: _AgeTimer | None = None  # server.max_connection_age_s (ConnectionAge)
         self._flush_pending = False
         self.closed = False
         self.peer: str | None = None  # counted in the context's PeerLedger while set
@@ -244,6 +319,8 @@ class Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._opened = loop.time()
         self._timer = loop.create_task(self._keepalive())
+        if self.context.age is not None:
+            self._age_timer = _AgeTimer(self, self.context.age, loop)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -285,6 +362,8 @@ class Connection(asyncio.Protocol):
         self.context.metrics.connections_active.dec()
         if self._timer is not None:
             self._timer.cancel()
+        if self._age_timer is not None:
+            self._age_timer.cancel()
         if self.core is not None:
             self.core.connection_lost()  # buffered request bodies give their budget back (issue 28.1)
         # Every stream of this connection ends here, including those admitted at HEADERS whose
@@ -318,6 +397,8 @@ class Connection(asyncio.Protocol):
                 task = loop.create_task(self._serve(sid, event))
                 self._tasks[sid] = task
                 self.app.attach(stream_key(self.id, sid), task)
+                if self._age_timer is not None:
+                    self._age_timer.request_taken()  # an aged idle connection drains from this request on
             elif isinstance(event, StreamAborted):
                 self.app.stream_aborted(stream_key(self.id, event.stream_id))
                 aborted = self._tasks.pop(event.stream_id, None)
