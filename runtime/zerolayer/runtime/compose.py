@@ -187,6 +187,7 @@ def compose(config: "RuntimeConfig", args: argparse.Namespace | None = None, *, 
         wiring.update(token_sink=probe.emit, extra_metrics=agent.extra_metrics())
         if agent.node_name:  # alternatives on pressure refusals, GET /v1/zerolayer/map
             wiring.update(fleet=agent.fleet, self_name=agent.node_name)
+    wiring["extra_metrics"] = [*wiring.get("extra_metrics", ()), prefix_digest_metrics(engine)]
     server = RuntimeServer(
         engine=engine,
         scheduler=scheduler,
@@ -218,6 +219,17 @@ def build_connection_age(config: "RuntimeConfig") -> "ConnectionAge | None":
         return None
     grace = config.max_connection_age_grace_s
     return ConnectionAge(config.max_connection_age_s, config.limits.drain_timeout_s if grace is None else grace)
+
+
+def prefix_digest_metrics(engine: Any) -> Callable[[], bytes]:
+    """``/metrics``' prefix-digest series (``zerolayer_prefix_digest_blocks``, ``zerolayer_kv_events_*``)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from zerolayer.runtime.gossip.metrics import PrefixDigestCollector
+
+    registry = CollectorRegistry()
+    registry.register(PrefixDigestCollector(engine))
+    return lambda: generate_latest(registry)
 
 
 def build_scheduler(config: "RuntimeConfig", fleet_quota: bool, api: "ApiProcess | None") -> "Scheduler":

@@ -127,3 +127,49 @@ async def test_batches_the_subscriber_missed_come_back_from_vllms_own_replay_soc
     finally:
         publisher.shutdown()
         subscriber.stop()
+
+
+async def test_vllms_publisher_binds_the_shared_ipc_endpoints_and_a_late_subscriber_replays(tmp_path):
+    """Several API processes (docs/api-processes.md): the engine core gets ``shared_events_config``, and
+    vLLM's real publisher *binds* its ``ipc://`` endpoints; a subscriber created after three batches went
+    out connects, receives the next, replays the three it missed from vLLM's buffer and places all four."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from zerolayer.engine_prefixes import EngineCachedPrefixes
+    from zerolayer.runtime.engine.kv_events import KvEventSubscriber, shared_events_config
+
+    config = shared_events_config(str(tmp_path))
+    publisher = ZmqEventPublisher(0, endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"],
+                                  buffer_steps=config["buffer_steps"], topic=config["topic"])
+    assert (tmp_path / "events").exists() and (tmp_path / "replay").exists()  # bound by vLLM, not connected
+
+    def batch(i: int) -> KVEventBatch:
+        return KVEventBatch(ts=time.time(), events=[BlockStored(
+            block_hashes=[100 + i], parent_block_hash=99 + i if i else None, token_ids=list(range(4 * i, 4 * i + 4)),
+            block_size=4, lora_id=None, medium="GPU", lora_name=None)] if i < 4 else [])
+
+    record = EngineCachedPrefixes(block_size=4)
+    subscriber = None
+    try:
+        for i in range(3):
+            publisher.publish(batch(i))
+        probe = KvEventSubscriber(EngineCachedPrefixes(), publisher=config)  # not started: replays only
+        deadline = time.monotonic() + 20
+        while len(probe.replay(0)) < 3:  # vLLM's thread buffers each batch once it went out on the PUB
+            assert time.monotonic() < deadline, "vLLM never sent the first 3 batches"
+            await asyncio.sleep(0.05)
+        probe.stop()
+        subscriber = KvEventSubscriber(record, publisher=config)  # connects after 0-2 went out: never gets them
+        subscriber.start()
+        deadline, i = time.monotonic() + 20, 3
+        while subscriber.feed.batches < 4:  # until the subscription arrived (later batches are empty)
+            assert time.monotonic() < deadline, f"{subscriber.feed.batches} batches applied"
+            publisher.publish(batch(i))
+            i += 1
+            await asyncio.sleep(0.1)
+        assert subscriber.feed.replayed >= 3 and subscriber.feed.gaps == 0 and record.unplaced == 0
+        assert len(record._engine) == 4  # every block placed on its parent
+    finally:
+        publisher.shutdown()
+        if subscriber is not None:
+            subscriber.stop()

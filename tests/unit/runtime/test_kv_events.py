@@ -192,3 +192,179 @@ def test_the_subscriber_binds_loopback_and_feeds_the_record_from_a_connecting_pu
         subscriber.stop()
         subscriber.stop()  # idempotent
     assert not replay_dir.exists()
+
+
+class Engine:
+    """A stand-in for vLLM's engine core with ``prefix_digest: kv_events`` and several API processes
+    (``ZmqEventPublisher`` given :func:`shared_events_config`): a PUB *bound* on the ``ipc://`` endpoint
+    and a ROUTER answering vLLM's replay protocol (an empty frame and the start sequence; ``topic,
+    sequence, payload`` back, then the end marker) from every batch it published."""
+
+    def __init__(self, config: dict) -> None:
+        import zmq
+
+        self.context = zmq.Context()
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(config["endpoint"])
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(config["replay_endpoint"])
+        self.topic = config["topic"].encode()
+        self.sent: list[bytes] = []
+
+    def publish(self, payload: bytes) -> None:
+        self.pub.send_multipart([self.topic, len(self.sent).to_bytes(8, "big"), payload])
+        self.sent.append(payload)
+
+    def answer_replays(self) -> int:
+        """Answer the replay requests waiting now; how many."""
+        answered = 0
+        while self.router.poll(0):
+            client, _, start = self.router.recv_multipart()
+            for seq in range(int.from_bytes(start, "big"), len(self.sent)):
+                self.router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), self.sent[seq]])
+            self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+            answered += 1
+        return answered
+
+    def close(self) -> None:
+        self.pub.close()
+        self.router.close()
+        self.context.term()
+
+
+def _until(check, what: str, timeout: float = 10.0, between=lambda: None) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        between()
+        time.sleep(0.02)
+
+
+def test_shared_events_config_puts_both_sockets_in_the_callers_directory(tmp_path):
+    from zerolayer.runtime.engine.kv_events import shared_events_config
+
+    config = shared_events_config(str(tmp_path))
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{tmp_path}/events",
+                      "topic": "zerolayer-kv", "replay_endpoint": f"ipc://{tmp_path}/replay", "buffer_steps": 10_000}
+
+
+def test_subscribers_of_several_api_processes_connect_to_the_engine_cores_bound_socket(tmp_path):
+    """Two subscribers (two API processes) connect to the one PUB the engine core binds; each gets every
+    batch. A PUB drops what it sends before a subscription reached it: those come back by replay, so
+    each subscriber applies batch 0 onwards, in order, with nothing missing. Stopping a connected
+    subscriber leaves the directory to its maker (the parent)."""
+    pytest.importorskip("zmq")
+    from zerolayer.runtime.engine.kv_events import shared_events_config
+
+    config = shared_events_config(str(tmp_path))
+    engine = Engine(config)
+    applied: list[list[bytes]] = [[], []]
+
+    class Record:
+        def __init__(self, into: list) -> None:
+            self.into = into
+
+        def apply(self, events: list) -> None:
+            self.into.extend(events)
+
+    subscribers = [KvEventSubscriber(Record(into), decode=lambda payload: Batch([payload]), publisher=config)
+                   for into in applied]
+    try:
+        for subscriber in subscribers:
+            assert subscriber.events_config() == config
+            subscriber.start()
+        n = 0
+
+        def publish() -> None:  # until both subscriptions arrived; what they missed is replayed
+            nonlocal n
+            engine.publish(b"b%d" % n)
+            n += 1
+            engine.answer_replays()
+
+        _until(lambda: all(applied), "no batch reached both subscribers", between=publish)
+        _until(lambda: all(len(a) == len(engine.sent) for a in applied), "a subscriber missed batches",
+               between=engine.answer_replays)
+        for got, subscriber in zip(applied, subscribers):
+            assert got == engine.sent  # b0, b1, ... in order
+            assert subscriber.feed.gaps == 0 and subscriber.feed.batches == len(engine.sent)
+    finally:
+        for subscriber in subscribers:
+            subscriber.stop()
+        engine.close()
+    assert tmp_path.is_dir()  # the parent's to remove, once the engine core stopped
+
+
+def test_a_subscriber_that_joins_after_the_engine_published_recovers_every_batch_by_replay(tmp_path):
+    """The engine core published batches 0-2 before this subscriber existed (an API process that
+    started late, or ZMQ's slow joiner), then 3 and more (empty) ones until one arrived. The first
+    batch it receives is 3 or later: it replays the earlier ones from the engine core's ROUTER and
+    applies them in order first, so the blocks chained on the missed ones are placed."""
+    pytest.importorskip("zmq")
+    from zerolayer.runtime.engine.kv_events import shared_events_config
+
+    record = EngineCachedPrefixes(block_size=BS)
+    turns = chat("q")
+    ids = tokens_of(turns)
+    record.observe_turns(turns, token_ids=ids)
+    stored = [[BlockStored([b"h%d" % j], b"h%d" % (j - 1) if j else None, ids[j * BS:(j + 1) * BS], BS)]
+              for j in range(4)]  # the chat's first 4 token blocks, one batch each, each chained on the last
+    config = shared_events_config(str(tmp_path))
+    engine = Engine(config)
+    for j in range(3):
+        engine.publish(b"%d" % j)
+    subscriber = KvEventSubscriber(record, decode=lambda payload: Batch(stored[int(payload)] if payload else []),
+                                   publisher=config)
+    try:
+        subscriber.start()
+        engine.publish(b"3")
+        _until(lambda: subscriber.feed.batches > 0, "nothing reached the late subscriber",
+               between=lambda: (engine.publish(b""), engine.answer_replays()))
+        _until(lambda: subscriber.feed.batches == len(engine.sent), "the late subscriber missed batches",
+               between=engine.answer_replays)
+        assert subscriber.feed.replayed >= 3 and subscriber.feed.gaps == 0 and record.unplaced == 0
+        assert record.digest().matched(chat_block_hashes(turns)) == 1  # 4 token blocks cover the first 256 bytes
+    finally:
+        subscriber.stop()
+        engine.close()
+
+
+def test_metrics_show_the_blocks_each_record_holds_and_the_event_batches_fed_to_it():
+    """``zerolayer_prefix_digest_blocks`` per engine; ``zerolayer_kv_events_*`` only for an engine fed by
+    vLLM's KV events (with several API processes, each process's page, labelled by the parent)."""
+    from prometheus_client import CollectorRegistry
+
+    from zerolayer.runtime.gossip.metrics import PrefixDigestCollector
+
+    record = EngineCachedPrefixes(block_size=BS)
+    turns = chat("q")
+    ids = tokens_of(turns)
+    record.observe_turns(turns, token_ids=ids)
+    feed = KvEventFeed(record, lambda payload: Batch([BlockStored([b"h0", b"h1", b"h2", b"h3"], None,
+                                                                  ids[:4 * BS], BS)]))
+    feed.feed(frames(0))
+    feed.feed(frames(2))  # 1 missed, no replay
+    served = ServedPrefixes()
+    served.observe_turns(turns)
+
+    @dataclasses.dataclass
+    class Engine:
+        models: tuple
+        served_prefixes: object
+        kv_event_feed: object = None
+
+    @dataclasses.dataclass
+    class Engines:
+        engines: list
+
+    registry = CollectorRegistry()
+    registry.register(PrefixDigestCollector(Engines([Engine(("a",), record, feed), Engine(("b",), served)])))
+    value = registry.get_sample_value
+    assert value("zerolayer_prefix_digest_blocks", {"model_name": "a"}) == 1
+    assert value("zerolayer_prefix_digest_blocks", {"model_name": "b"}) == len(chat_block_hashes(turns))
+    assert value("zerolayer_kv_events_batches_total", {"model_name": "a"}) == 2
+    assert value("zerolayer_kv_events_missed_total", {"model_name": "a"}) == 1
+    assert value("zerolayer_kv_events_batches_total", {"model_name": "b"}) is None

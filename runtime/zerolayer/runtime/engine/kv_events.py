@@ -11,6 +11,16 @@ PUB socket *connects* to it (vLLM connects to any ``tcp://`` endpoint without a 
 is guessed and nothing listens beyond loopback. (The replay socket below is the one file, removed at
 stop.)
 
+**Several API processes, one engine core** (``server.api_processes``, docs/api-processes.md). A PUB
+that connects reaches one bound SUB, so the parent that launches the shared engine core gives it
+:func:`shared_events_config` instead: both sockets are ``ipc://`` paths in a directory the parent
+made (mode 0700), which vLLM *binds* (``ZmqEventPublisher._is_bind_endpoint``: ``ipc://`` endpoints
+are bound), and every API process's subscriber *connects* to them (``KvEventSubscriber(...,
+publisher=...)``). Each process needs the whole stream: a byte block of its digest is linked to
+token blocks only by the chats that process rendered, so one subscriber could not place another
+process's chats. A subscriber that joins late (the engine core published before its subscription
+arrived) sees a first sequence above 0 and replays the rest, as for any gap.
+
 :class:`KvEventFeed` is the sans-IO part (frames in, the record fed); :class:`KvEventSubscriber` the
 thread and sockets.
 
@@ -36,6 +46,8 @@ import shutil
 import tempfile
 import threading
 from typing import Any, Callable, Sequence
+
+from zerolayer.runtime.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -124,32 +136,51 @@ def vllm_decoder() -> Callable[[bytes], Any]:
     return msgspec.msgpack.Decoder(type=KVEventBatch).decode
 
 
+def shared_events_config(directory: str, topic: str = TOPIC) -> dict[str, Any]:
+    """``KVEventsConfig``'s fields for an engine core several API processes subscribe to (see the
+    module doc): the PUB and replay sockets as ``ipc://`` paths in ``directory`` (the caller's, mode
+    0700, removed by it once the engine core stopped), which vLLM binds; each process's
+    ``KvEventSubscriber(record, publisher=<these fields>)`` connects."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"ipc://{os.path.join(directory, 'events')}", "topic": topic,
+            "replay_endpoint": f"ipc://{os.path.join(directory, 'replay')}", "buffer_steps": REPLAY_BUFFER_STEPS}
+
+
 class KvEventSubscriber:
     """A thread receiving vLLM's KV cache events into ``record`` (see the module doc). Create, pass
-    :meth:`events_config` to the engine, :meth:`start`; :meth:`stop` when the engine stops."""
+    :meth:`events_config` to the engine, :meth:`start`; :meth:`stop` when the engine stops.
+    ``publisher``: the fields of an engine core that binds its own sockets (:func:`shared_events_config`);
+    the subscriber then connects to them and leaves their directory to whoever made it."""
 
     POLL_MS = 200  # how soon stop() is noticed
 
-    def __init__(self, record: Any, decode: Callable[[bytes], Any] | None = None, topic: str = TOPIC) -> None:
+    def __init__(self, record: Any, decode: Callable[[bytes], Any] | None = None, topic: str = TOPIC,
+                 publisher: dict[str, Any] | None = None) -> None:
         import zmq
 
-        self.topic = topic
+        self.topic = topic if publisher is None else publisher["topic"]
         self.feed = KvEventFeed(record, decode or vllm_decoder(), replay=self.replay)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)  # never drop here: vLLM's side bounds the queue
-        self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self._replay_dir = tempfile.mkdtemp(prefix="zerolayer-kv-")  # mode 0700: this user's only
-        self.replay_endpoint = f"ipc://{os.path.join(self._replay_dir, 'replay')}"
+        self._socket.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        self._replay_dir: str | None = None  # ours to remove at stop (bind mode only)
+        if publisher is None:
+            port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
+            self._replay_dir = tempfile.mkdtemp(prefix="zerolayer-kv-")  # mode 0700: this user's only
+            self.replay_endpoint = f"ipc://{os.path.join(self._replay_dir, 'replay')}"
+        else:
+            self.endpoint, self.replay_endpoint = publisher["endpoint"], publisher["replay_endpoint"]
+            self._socket.connect(self.endpoint)  # before the engine core binds it, too: ZMQ retries
         self._dealer: Any = None  # the replay client, made and used on the subscriber thread only
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def events_config(self) -> dict[str, Any]:
-        """``KVEventsConfig``'s fields for the engine: publish to this subscriber, answer its replays."""
+        """``KVEventsConfig``'s fields for the engine: publish to this subscriber, answer its replays
+        (with ``publisher``: those fields, where the engine core binds)."""
         return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint, "topic": self.topic,
                 "replay_endpoint": self.replay_endpoint, "buffer_steps": REPLAY_BUFFER_STEPS}
 
@@ -199,7 +230,8 @@ class KvEventSubscriber:
         if self._stop.is_set():
             return
         self._stop.set()
-        shutil.rmtree(self._replay_dir, ignore_errors=True)
+        if self._replay_dir is not None:
+            shutil.rmtree(self._replay_dir, ignore_errors=True)
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=5)
@@ -212,16 +244,26 @@ class KvEventSubscriber:
         self._context.term()
 
 
-def attach(record: Any, args: dict[str, Any]) -> tuple[KvEventSubscriber | None, dict[str, Any]]:
+def attach(record: Any, args: dict[str, Any],
+           core_client: Any = None) -> tuple[KvEventSubscriber | None, dict[str, Any]]:
     """For a record driven by KV cache events (:class:`~zerolayer.engine_prefixes.EngineCachedPrefixes`):
     a started subscriber feeding it, and the engine's ``args`` with vLLM's ``kv_events_config``
-    pointing at it (started before the engine, so no event of its first steps is missed). For any
-    other record: no subscriber, ``args`` as they are. Prefix caching must be on (the config layer
-    refuses ``kv_events`` with it off)."""
+    pointing at it (started before the engine, so no event of its first steps is missed). With
+    ``core_client`` (an API process's :class:`~zerolayer.runtime.engine.shared_core.CoreClient`, whose
+    ``kv_events`` are the fields its launcher gave the shared engine core: :func:`shared_events_config`):
+    a subscriber connected to those, and ``args`` as they are. For any other record: no subscriber,
+    ``args`` as they are. Prefix caching must be on (the config layer refuses ``kv_events`` with it off)."""
     from zerolayer.engine_prefixes import EngineCachedPrefixes
 
     if not isinstance(record, EngineCachedPrefixes):
         return None, args
+    publisher = getattr(core_client, "kv_events", None)
+    if core_client is not None and publisher is None:  # the launcher gave the engine core no event sockets
+        raise EngineError("prefix_digest: kv_events on an API process whose engine core publishes no KV events")
+    if publisher is not None:
+        subscriber = KvEventSubscriber(record, publisher=publisher)
+        subscriber.start()
+        return subscriber, args
     from vllm.config import KVEventsConfig
 
     subscriber = KvEventSubscriber(record)

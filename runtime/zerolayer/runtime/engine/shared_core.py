@@ -11,6 +11,10 @@ vLLM's scheduler statistics (running, waiting, KV-cache use) reach whichever cli
 carries, so one process may see none for a while; :class:`SharedEngineStats` keeps the freshest
 sample any process received, for every process's pressure view.
 
+With ``prefix_digest: kv_events`` the launcher gives the engine core ``ipc://`` KV-event sockets in a
+directory it makes (:meth:`SharedEngineCore.kv_events_config`), which vLLM binds; every API process's
+subscriber connects to them (:mod:`zerolayer.runtime.engine.kv_events`).
+
 LoRA adapters: each process builds the ``LoRARequest`` of the requests it admits, under the id every
 process gives that adapter (:func:`~zerolayer.runtime.engine.lora.adapter_id`), so the engine core
 loads an adapter once; in a cluster each process runs its own adapter sync (docs/api-processes.md).
@@ -21,10 +25,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing
+import shutil
+import tempfile
 import time
 from typing import Any, Iterator
 
 from zerolayer.engine_prefixes import EngineCachedPrefixes
+from zerolayer.runtime.engine import kv_events
 from zerolayer.runtime.engine.base import EngineStats
 from zerolayer.runtime.errors import ConfigError, EngineError
 
@@ -39,6 +46,8 @@ class CoreClient:
     count: int
     addresses: dict[str, Any]
     stats: "SharedEngineStats | None" = None
+    # prefix_digest: kv_events: where the engine core binds its KV-event sockets (kv_events.shared_events_config)
+    kv_events: dict[str, Any] | None = None
 
 
 class SharedEngineStats:
@@ -90,20 +99,33 @@ class SharedEngineCore:
     def __init__(self, engine: Any, count: int) -> None:
         if count < 2:
             raise ConfigError("a shared engine core is for two API processes or more")
-        if isinstance(engine.served_prefixes, EngineCachedPrefixes):  # prefix_digest: kv_events
-            raise ConfigError("server.api_processes > 1 with prefix_digest: kv_events is not supported (each API "
-                              "process would need the engine's KV events); use prefix_digest: served")
         self.engine = engine
         self.count = count
         self._manager: Any = None
         self._listeners: Any = None
+        self._kv_dir: str | None = None  # prefix_digest: kv_events: the engine core's event sockets
 
-    def vllm_config(self, rank: int) -> Any:
-        """vLLM's config for API process ``rank`` (-1: the launcher), as ``run_multi_api_server`` builds it."""
+    def kv_events_config(self) -> dict[str, Any] | None:
+        """With ``prefix_digest: kv_events``: ``KVEventsConfig``'s fields for the engine core, which binds
+        them in a directory made here (mode 0700, removed at :meth:`shutdown`); every API process's
+        subscriber connects (engine/kv_events.py). None otherwise."""
+        if not isinstance(self.engine.served_prefixes, EngineCachedPrefixes):
+            return None
+        if self._kv_dir is None:
+            self._kv_dir = tempfile.mkdtemp(prefix="zerolayer-kv-")
+        return kv_events.shared_events_config(self._kv_dir)
+
+    def vllm_config(self, rank: int, events: dict[str, Any] | None = None) -> Any:
+        """vLLM's config for API process ``rank`` (-1: the launcher), as ``run_multi_api_server`` builds it;
+        ``events``: the engine core's ``kv_events_config`` fields (the launcher's only)."""
+        from vllm.config import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
 
-        engine_args = AsyncEngineArgs(**self.engine.engine_args())
+        args = self.engine.engine_args()
+        if events is not None:
+            args = {**args, "kv_events_config": KVEventsConfig(**events)}
+        engine_args = AsyncEngineArgs(**args)
         engine_args._api_process_count = self.count
         engine_args._api_process_rank = rank
         return engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -120,7 +142,8 @@ class SharedEngineCore:
             raise EngineError("the vllm engine needs vLLM installed (pip install 'zerolayer[engine]')") from exc
         from zerolayer.runtime.engine.vllm_engine import _visible_devices
 
-        vllm_config = self.vllm_config(-1)
+        events = self.kv_events_config()
+        vllm_config = self.vllm_config(-1, events)
         listeners = self._listeners = bind_engine_zmq_listeners(vllm_config, self.count)
         with _visible_devices(self.engine.devices):
             with launch_core_engines(vllm_config, Executor.get_class(vllm_config), True,
@@ -137,7 +160,7 @@ class SharedEngineCore:
                         config["stats_update_address"] = stats_address
                     if launched.tensor_queue is not None:
                         config["tensor_queue"] = launched.tensor_queue
-                    clients.append(CoreClient(i, self.count, config, stats))
+                    clients.append(CoreClient(i, self.count, config, stats, events))
                 yield clients, launched
 
     def sentinels(self) -> list[Any]:
@@ -153,3 +176,6 @@ class SharedEngineCore:
         if self._listeners is not None:
             listeners, self._listeners = self._listeners, None
             listeners.cleanup()
+        if self._kv_dir is not None:
+            kv_dir, self._kv_dir = self._kv_dir, None
+            shutil.rmtree(kv_dir, ignore_errors=True)

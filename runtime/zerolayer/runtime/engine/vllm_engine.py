@@ -393,6 +393,10 @@ class VllmEngine:
         self._kv_events: kv_events.KvEventSubscriber | None = None
 
     @property
+    def kv_event_feed(self) -> kv_events.KvEventFeed | None:  # what the KV-event subscriber received (metrics)
+        return self._kv_events.feed if self._kv_events is not None else None
+
+    @property
     def models(self) -> tuple[str, ...]:
         """The base model, then its LoRA adapters (these change while running: :meth:`add_adapter`)."""
         return self.lora.names
@@ -444,7 +448,7 @@ class VllmEngine:
 
         if self.tool_parser is not None:
             _check_tool_parser(self.tool_parser)
-        self._kv_events, args = kv_events.attach(self.served_prefixes, self.lora.start_args(self._args))
+        self._kv_events, args = kv_events.attach(self.served_prefixes, self.engine_args(), self.core_client)
         max_loras = int(args.get("max_loras", 1)) if args.get("enable_lora") else 0
         before = set(descendants(os.getpid()))
         try:

@@ -8,12 +8,21 @@
 
 A node that stops gossiping keeps the last timestamp; ``time() - that`` grows and the chart's
 ``ZerolayerNodeNotGossiping`` alert fires. A node that is gone (no scrape) is ``up == 0``.
+
+What this process puts into the node's prefix-cache digest (``status.prefixCache``), with or without
+gossip (:class:`PrefixDigestCollector`), per engine (``model_name``: its base model):
+
+- ``zerolayer_prefix_digest_blocks``: byte blocks its record holds now (``len(record)``; with
+  ``prefix_digest: kv_events`` only those the engine's KV cache events say it holds). With several
+  API processes each process's record holds the chats it rendered; the node's digest is their union;
+- ``zerolayer_kv_events_batches_total`` / ``zerolayer_kv_events_missed_total`` (``kv_events`` only):
+  vLLM event batches applied (replayed ones included), and batches known missed and not replayed.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -49,3 +58,33 @@ class GossipCollector(Collector):
             yield GaugeMetricFamily("zerolayer_gossip_last_heartbeat_timestamp_seconds",
                                     "lastHeartbeat of the last status the API server accepted (Unix seconds).",
                                     value=heartbeat_seconds(status["lastHeartbeat"]))
+
+
+class PrefixDigestCollector(Collector):
+    """The prefix-digest series above for the engines of ``engine`` (one engine, or one with ``engines``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engines = list(getattr(engine, "engines", (engine,)))
+
+    def collect(self) -> Iterable[Metric]:
+        blocks = GaugeMetricFamily("zerolayer_prefix_digest_blocks", "Byte blocks (256 B) this process's prefix "
+                                   "record puts into the node's prefix-cache digest now.", labels=["model_name"])
+        batches = CounterMetricFamily("zerolayer_kv_events_batches", "vLLM KV cache event batches applied to the "
+                                      "prefix record (prefix_digest: kv_events), replayed ones included.",
+                                      labels=["model_name"])
+        missed = CounterMetricFamily("zerolayer_kv_events_missed", "vLLM KV cache event batches known missed and "
+                                     "not recovered by replay.", labels=["model_name"])
+        for engine in self._engines:
+            record = getattr(engine, "served_prefixes", None)
+            if record is None:
+                continue
+            model = engine.models[0]
+            blocks.add_metric([model], float(len(record)))
+            feed = getattr(engine, "kv_event_feed", None)
+            if feed is not None:
+                batches.add_metric([model], float(feed.batches))
+                missed.add_metric([model], float(feed.gaps))
+        yield blocks
+        if batches.samples:
+            yield batches
+            yield missed
