@@ -96,19 +96,10 @@ def default_api_processes(cpu_request: float | Fraction | None) -> int:
     return max(API_PROCESSES_MIN, min(DEFAULT_API_PROCESSES_CAP, math.floor(cpu_request / CORES_PER_API_PROCESS)))
 
 
-def several_engines(spec: Mapping[str, Any]) -> bool:
-    """Whether the runtime serves this spec with an ``engines:`` list, one vLLM engine per model
-    (``config_from_inferencenode``: several models on the vllm engine). Several API processes share one
-    engine core, so the runtime takes ``server.api_processes`` above 1 only with one ``engine:``."""
-    runtime = spec.get("runtime") or {}
-    models = [m for m in spec.get("models") or () if isinstance(m, Mapping)]
-    return runtime.get("engine", "vllm") != "synthetic" and len(models) > 1
-
-
 def api_processes_problem(spec: Mapping[str, Any]) -> str | None:
-    """Why ``spec.runtime.apiProcesses`` is refused, or None: not an integer from 1 to 64, or above 1 on
-    a node serving several models with vLLM (:func:`several_engines`; the runtime would refuse it at
-    start). Unset is fine: :func:`api_processes` then gives the number."""
+    """Why ``spec.runtime.apiProcesses`` is refused, or None: not an integer from 1 to 64. Unset is fine:
+    :func:`api_processes` then gives the number. A node serving several models takes any number too: the
+    API processes share one engine core per model."""
     runtime = spec.get("runtime") or {}
     if runtime.get("apiProcesses") is None:
         return None
@@ -116,23 +107,17 @@ def api_processes_problem(spec: Mapping[str, Any]) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or not API_PROCESSES_MIN <= value <= API_PROCESSES_MAX:
         return (f"{API_PROCESSES_FIELD} must be an integer from {API_PROCESSES_MIN} to {API_PROCESSES_MAX}, "
                 f"got {value!r}")
-    if value > 1 and several_engines(spec):
-        return (f"{API_PROCESSES_FIELD} {value}: several API processes share one engine core, and this node "
-                "serves several models with one vLLM engine each; give 1 or leave it unset")
     return None
 
 
 def api_processes(spec: Mapping[str, Any], resources: Mapping[str, Any] | None) -> int:
     """The runtime's ``server.api_processes``: ``spec.runtime.apiProcesses`` when given, else
     :func:`default_api_processes` of the server container's CPU request (``resources``: the container's
-    merged requests and limits), or 1 where the node serves several vLLM engines (:func:`several_engines`).
-    A refused value (:func:`api_processes_problem`) never gets here: the operator writes no pod for an
+    merged requests and limits). A refused value (:func:`api_processes_problem`) never gets here: the operator writes no pod for an
     InferenceNode with problems; should one, the default stands in."""
     runtime = spec.get("runtime") or {}
     if runtime.get("apiProcesses") is not None and api_processes_problem(spec) is None:
         return int(runtime["apiProcesses"])
-    if several_engines(spec):
-        return 1
     return default_api_processes(cpu_request_cores(resources))
 
 

@@ -45,7 +45,7 @@ def inference_node_problems(spec: Mapping[str, Any]) -> list[str]:
     core = (spec.get("runtime") or {}).get("serverCore", "native")
     if core not in SERVER_CORES:
         problems.append(f"spec.runtime.serverCore must be one of {', '.join(SERVER_CORES)}, got {core!r}")
-    processes = api_processes_problem(spec)  # spec.runtime.apiProcesses: 1..64 (1 with several models) or unset
+    processes = api_processes_problem(spec)  # spec.runtime.apiProcesses: 1..64 or unset
     if processes:
         problems.append(processes)
     port = (spec.get("runtime") or {}).get("port")

@@ -5,8 +5,8 @@ one core. ``vllm serve --api-server-count N`` answers that with N API processes 
 one engine core; this module does the same for the runtime (docs/api-processes.md):
 
 - the parent (``zerolayer runtime`` with N > 1) creates the shared admission state, starts vLLM's
-  engine core with vLLM's own launcher (:class:`~zerolayer.runtime.engine.shared_core.SharedEngineCore`),
-  then spawns N API processes;
+  engine core with vLLM's own launcher (:class:`~zerolayer.runtime.engine.shared_core.SharedEngineCore`;
+  one per model with ``engines:``, each process a client of every one), then spawns N API processes;
 - each API process is a whole runtime (:func:`zerolayer.runtime.compose.from_args` with an
   :class:`ApiProcess`): it binds the serving port with SO_REUSEPORT, admits with a quota ledger that
   sees every process's charges (:mod:`zerolayer.runtime.scheduler.board`), reads the engine's
@@ -50,7 +50,9 @@ class ApiProcess:
     count: int
     board: Any  # scheduler.board.QuotaBoard
     metrics_socket: str
-    core_client: Any = None  # engine.shared_core.CoreClient, for a vLLM engine
+    # engine.shared_core.CoreClient of each engine, in the config's order (None for one with no core to
+    # share: the synthetic engine); empty when no engine has one
+    core_clients: tuple[Any, ...] = ()
     # server.connection_balance exact: this process's end of the acceptor's channel, and the shared
     # count of connections each process has closed (serving/handoff.py); None with kernel balance.
     channel: socket.socket | None = None
@@ -80,8 +82,8 @@ class ApiProcess:
         return SharedQuotaLedger(self.board, self.index, config.quota_window_s, config.concurrency_retry_after_s)
 
     def engine_wiring(self) -> dict[str, Any]:
-        """``build_engine``'s keywords: a vLLM engine joins the shared core (none for the synthetic one)."""
-        return {} if self.core_client is None else {"core_client": self.core_client}
+        """``build_engine``'s keywords: each vLLM engine joins its shared core (none for the synthetic one)."""
+        return {"core_clients": self.core_clients} if self.core_clients else {}
 
     def agent_args(self, args: argparse.Namespace) -> argparse.Namespace:
         """The node agent's flags: process 0 gossips the node's status; the others do not, and read the
@@ -101,8 +103,8 @@ class ApiProcess:
         return node if self.index == 0 else f"{node}/api-{self.index}"
 
 
-def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engine: Any,
-              listen: tuple[str, int], balance: str = "exact") -> int:
+def supervise(args: argparse.Namespace, count: int, build_engine: Any, listen: tuple[str, int],
+              balance: str = "exact") -> int:
     """Run ``count`` API processes until SIGTERM/SIGINT or until one exits; the exit status. ``listen``:
     the config's address, which ``--port`` overrides; port 0 is resolved here, once, for all of them.
     ``balance`` (``server.connection_balance``): ``exact``, this process accepts and hands each
@@ -125,24 +127,24 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
     paths = [os.path.join(sockets, f"metrics-{i}.sock") for i in range(count)]
     _stop_on_signals()
     procs: list[Any] = []
-    core = None
+    cores: list[Any] = []
     try:
-        with _engine_core(engine_kind, build_engine, count) as (core, clients, launched):
+        with _engine_cores(build_engine, count, cores) as (clients, launched):
             for i in range(count):
-                api = ApiProcess(i, count, board, paths[i], clients[i] if clients else None,
+                api = ApiProcess(i, count, board, paths[i], clients[i] if clients else (),
                                  channels[i][1] if channels else None, closed, running, prefixes)
                 procs.append(ctx.Process(target=child_main, args=(args, api), name=f"zerolayer-api-{i}"))
                 procs[-1].start()
             for _, theirs in channels:
                 theirs.close()  # each process has its own copy now
-            if launched is not None:
-                launched.watched_frontend_processes = procs  # an API process that dies aborts the engine's start
+            for record in launched:
+                record.watched_frontend_processes = procs  # an API process that dies aborts the engine's start
         print(f"zerolayer runtime: {count} API processes (pids {', '.join(str(p.pid) for p in procs)})"
-              + (", one vLLM engine core" if core is not None else ""), flush=True)
+              + (f", {_cores_named(len(cores))}" if cores else ""), flush=True)
         _metrics_thread(args.metrics_port, paths)
         if channels:
             acceptor = Acceptor(reserved, [ours for ours, _ in channels], closed).start()
-        return _watch(procs, core.sentinels() if core is not None else [])
+        return _watch(procs, [s for core in cores for s in core.sentinels()])
     except SystemExit:
         return 0
     except RuntimeServerError as exc:
@@ -152,7 +154,7 @@ def supervise(args: argparse.Namespace, count: int, engine_kind: str, build_engi
         if acceptor is not None:
             acceptor.stop()  # no new connections; the processes drain the ones they hold
         _stop_all(procs)
-        if core is not None:
+        for core in cores:
             core.shutdown(timeout=10)
         shutil.rmtree(sockets, ignore_errors=True)
         reserved.close()
@@ -198,16 +200,35 @@ def _watch(procs: list[Any], engine: list[Any]) -> int:
 
 
 @contextlib.contextmanager
-def _engine_core(kind: str, build_engine: Any, count: int) -> Iterator[tuple[Any, list[Any], Any]]:
-    """The shared vLLM engine core (its clients and launch record), or nothing for the synthetic engine."""
-    if kind != "vllm":
-        yield None, [], None
+def _engine_cores(build_engine: Any, count: int, cores: list[Any]) -> Iterator[tuple[list[tuple[Any, ...]], list[Any]]]:
+    """Start one shared vLLM engine core per vLLM engine of the config (``engines:`` lists one per base
+    model), appending each to ``cores`` as it starts (the caller shuts them down); yields each API
+    process's clients, one per engine in the config's order (None for a synthetic engine), and vLLM's
+    launch records. Nothing to start (only synthetic engines): no clients, no records."""
+    built = build_engine()
+    engines = tuple(getattr(built, "engines", (built,)))  # a ModelRouter's, or the one engine
+    if not any(e.kind == "vllm" for e in engines):
+        yield [], []
         return
     from zerolayer.runtime.engine.shared_core import SharedEngineCore
 
-    core = SharedEngineCore(build_engine(), count)
-    with core.launch() as (clients, launched):
-        yield core, clients, launched
+    shared = [SharedEngineCore(e, count) if e.kind == "vllm" else None for e in engines]  # refusals first
+    with contextlib.ExitStack() as stack:
+        per_engine: list[list[Any] | None] = []
+        launched = []
+        for core in shared:
+            if core is None:
+                per_engine.append(None)
+                continue
+            cores.append(core)
+            clients, record = stack.enter_context(core.launch())
+            per_engine.append(clients)
+            launched.append(record)
+        yield [tuple(c[i] if c is not None else None for c in per_engine) for i in range(count)], launched
+
+
+def _cores_named(n: int) -> str:
+    return "one vLLM engine core" if n == 1 else f"{n} vLLM engine cores (one per model)"
 
 
 def _stop_all(procs: list[Any], grace_s: float = 35.0) -> None:

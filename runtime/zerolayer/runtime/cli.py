@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
             from zerolayer.runtime.apiprocs import supervise
             from zerolayer.runtime.config import build_engine
 
-            return supervise(args, config.api_processes, str(config.engine.get("kind", "synthetic")),
-                             lambda: build_engine(config), (config.host, config.port), config.connection_balance)
+            return supervise(args, config.api_processes, lambda: build_engine(config), (config.host, config.port),
+                             config.connection_balance)
         runtime = from_args(args, settings=settings)
     except RuntimeServerError as exc:
         print(f"zerolayer runtime: {exc}", file=sys.stderr)

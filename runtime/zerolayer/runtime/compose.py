@@ -309,7 +309,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple["RuntimeConfig", InClu
     if count is not None and count != config.api_processes:
         from zerolayer.runtime.config import parse_api_processes
 
-        parse_api_processes({"api_processes": count}, config.engines, bool(config.engines))
+        parse_api_processes({"api_processes": count})
         config = dataclasses.replace(config, api_processes=count)
     return config, cluster
 

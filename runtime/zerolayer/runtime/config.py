@@ -194,7 +194,7 @@ def parse_config(data: Any, base_dir: pathlib.Path, environ: Mapping[str, str] |
         reuse_port=reuse_port,
         tracing=parse_tracing(telemetry.get("tracing")),
         server_core=parse_server_core(server),  # first: it refuses unknown server keys
-        api_processes=parse_api_processes(server, engines, "engines" in data),
+        api_processes=parse_api_processes(server),
         connection_balance=parse_connection_balance(server),
         **parse_connection_age(server),
     )
@@ -231,15 +231,12 @@ def parse_server_core(server: Mapping[str, Any]) -> str:
 MAX_API_PROCESSES = 64
 
 
-def parse_api_processes(server: Mapping[str, Any], engines: Sequence[Mapping[str, Any]], several: bool) -> int:
+def parse_api_processes(server: Mapping[str, Any]) -> int:
     """``server.api_processes``: how many API processes serve the port (docs/api-processes.md), 1 by
-    default. Several share one vLLM engine core, so they serve one ``engine:``, not an ``engines:`` list."""
+    default. They share one vLLM engine core per engine (per base model with ``engines:``)."""
     count = server.get("api_processes", 1)
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_API_PROCESSES:
         raise ConfigError(f"server.api_processes: an integer from 1 to {MAX_API_PROCESSES}, got {count!r}")
-    if count > 1 and several:
-        raise ConfigError("server.api_processes > 1 serves one engine (one vLLM engine core shared by the API "
-                          "processes); this config lists engines: — use engine:, or one API process")
     return count
 
 
@@ -460,19 +457,24 @@ def vllm_settings(spec: Mapping[str, Any], where: str = "engine"):  # type: igno
     return VllmSettings(**typed, engine_args=dict(extra or {}))
 
 
-def build_engine(config: RuntimeConfig, **shared: Any):  # type: ignore[no-untyped-def]
+def build_engine(config: RuntimeConfig, core_clients: Sequence[Any] = ()):  # type: ignore[no-untyped-def]
     """The engine ``engine:`` describes, or for ``engines:`` a :class:`ModelRouter` over one engine each.
-    ``shared``: the ``core_client`` of one of several API processes (``engine/shared_core.py``),
-    for a vLLM engine."""
-    if config.engines:
-        from zerolayer.runtime.engine.router import ModelRouter
+    ``core_clients``: in one of several API processes, its client of each engine's shared vLLM engine
+    core (``engine/shared_core.py``), in the engines' order; None (or nothing) for an engine with none."""
+    specs = list(config.engines) or [config.engine]
+    clients = list(core_clients) or [None] * len(specs)
+    if len(clients) != len(specs):
+        raise ConfigError(f"{len(clients)} engine core clients for {len(specs)} engines")
+    if not config.engines:
+        return _build_one(config, config.engine, "engine", clients[0])
+    from zerolayer.runtime.engine.router import ModelRouter
 
-        return ModelRouter([_build_one(config, spec, f"engines[{i}]") for i, spec in enumerate(config.engines)])
-    return _build_one(config, config.engine, "engine", **shared)
+    return ModelRouter([_build_one(config, spec, f"engines[{i}]", client)
+                        for i, (spec, client) in enumerate(zip(specs, clients))])
 
 
 def _build_one(config: RuntimeConfig, engine: Mapping[str, Any], where: str,  # type: ignore[no-untyped-def]
-               **shared: Any):
+               core_client: Any = None):
     spec = dict(engine)
     kind = spec.pop("kind", "synthetic")
     digest = prefix_digest({**spec, "kind": kind}, where)  # checked at load too; a config may be built in code
@@ -502,7 +504,7 @@ def _build_one(config: RuntimeConfig, engine: Mapping[str, Any], where: str,  # 
         tinymodel.generate(model_path)
     return VllmEngine(model_path, served_name=spec.get("served_name"), settings=settings,
                       tool_parser=spec.get("tool_parser"), loras=lora_adapters(spec, where),
-                      devices=engine_gpus(spec, where), prefix_digest=digest, **shared)
+                      devices=engine_gpus(spec, where), prefix_digest=digest, core_client=core_client)
 
 
 def build_gpu_source(config: RuntimeConfig, engine, *,  # type: ignore[no-untyped-def]

@@ -108,7 +108,7 @@ async def processes(weights) -> AsyncIterator[list]:
     try:
         with core.launch() as (clients, _):
             pass  # leaving the block waits for the engine core
-        engines = [build_engine(config, core_client=client) for client in clients]
+        engines = [build_engine(config, [client]) for client in clients]
         async with start_runtime(engine=engines[0], tenants=tenants(), sample_interval_s=0.05) as one, \
                 start_runtime(engine=engines[1], tenants=tenants(), sample_interval_s=0.05) as two:
             for server in (one, two):

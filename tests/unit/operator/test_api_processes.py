@@ -106,14 +106,17 @@ def two_models(**runtime):
     return body
 
 
-def test_several_vllm_models_default_to_one_process_and_refuse_more():
-    """Several API processes share one engine core; the runtime serves several models with one vLLM
-    engine each (engines:), where it takes server.api_processes 1 only."""
-    assert rendered(two_models(**cpu("64"))) == {"server": {"api_processes": 1}}
+def test_several_vllm_models_take_api_processes_like_one():
+    """The runtime serves several models with one vLLM engine each (engines:), and its API processes
+    share one engine core per model: the number defaults from the CPU request and any 1..64 is taken."""
+    assert rendered(two_models(**cpu("64"))) == {"server": {"api_processes": 8}}
+    assert rendered(two_models(**cpu("8"))) == {"server": {"api_processes": 2}}
     assert validation.inference_node_problems(two_models(apiProcesses=1)["spec"]) == []
     assert validation.inference_node_problems(two_models(**cpu("64"))["spec"]) == []
-    [problem] = validation.inference_node_problems(two_models(apiProcesses=2)["spec"])
-    assert problem.startswith("spec.runtime.apiProcesses 2: several API processes share one engine core")
+    assert validation.inference_node_problems(two_models(apiProcesses=2)["spec"]) == []
+    assert rendered(two_models(apiProcesses=3)) == {"server": {"api_processes": 3}}
+    [problem] = validation.inference_node_problems(two_models(apiProcesses=65)["spec"])
+    assert problem.startswith("spec.runtime.apiProcesses must be an integer from 1 to 64")
     # The synthetic engine serves every model from one engine.
     assert rendered(two_models(engine="synthetic", **cpu("16"))) == {"server": {"api_processes": 4}}
     assert validation.inference_node_problems(two_models(engine="synthetic", apiProcesses=4)["spec"]) == []
