@@ -205,8 +205,9 @@ def _engine_cores(build_engine: Any, count: int, cores: list[Any]) -> Iterator[t
     model), appending each to ``cores`` as it starts (the caller shuts them down); yields each API
     process's clients, one per engine in the config's order (None for a synthetic engine), and vLLM's
     launch records. Nothing to start (only synthetic engines): no clients, no records."""
-    built = build_engine()
-    engines = tuple(getattr(built, "engines", (built,)))  # a ModelRouter's, or the one engine
+    from zerolayer.runtime.engine.router import each_engine
+
+    engines = each_engine(build_engine())
     if not any(e.kind == "vllm" for e in engines):
         yield [], []
         return

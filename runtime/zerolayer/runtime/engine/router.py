@@ -27,6 +27,12 @@ from zerolayer.runtime.engine.base import (
 from zerolayer.runtime.errors import ConfigError, EngineError
 
 
+def each_engine(engine: Any) -> tuple[Any, ...]:
+    """The engines behind ``engine``: a :class:`ModelRouter`'s (``engines:``, one per base model), or
+    ``engine`` itself."""
+    return tuple(getattr(engine, "engines", (engine,)))
+
+
 class ModelRouter:
     """Engines by model name. Every name (base models and LoRA adapters) belongs to exactly one
     engine; the first engine's first model answers requests that name none. Names are read from the

@@ -71,4 +71,6 @@ def prefix_cache_of(engine: Any, peers: Sequence[Any] = ()) -> Callable[[], dict
 
 def prefix_records(engine: Any) -> list[Any]:
     """The engines' records of the prefixes they served (``served_prefixes``), where they keep one."""
-    return [r for e in getattr(engine, "engines", (engine,)) if (r := getattr(e, "served_prefixes", None)) is not None]
+    from zerolayer.runtime.engine.router import each_engine
+
+    return [r for e in each_engine(engine) if (r := getattr(e, "served_prefixes", None)) is not None]

@@ -64,7 +64,9 @@ class PrefixDigestCollector(Collector):
     """The prefix-digest series above for the engines of ``engine`` (one engine, or one with ``engines``)."""
 
     def __init__(self, engine: Any) -> None:
-        self._engines = list(getattr(engine, "engines", (engine,)))
+        from zerolayer.runtime.engine.router import each_engine
+
+        self._engines = each_engine(engine)
 
     def collect(self) -> Iterable[Metric]:
         blocks = GaugeMetricFamily("zerolayer_prefix_digest_blocks", "Byte blocks (256 B) this process's prefix "
