@@ -35,7 +35,8 @@ def clash(path: str) -> tuple[LoraAdapter, LoraAdapter]:
 
 
 def ids(adapters: AdapterSet) -> dict[str, int]:
-    return dict(adapters._ids)
+    """The id of each served adapter's vLLM request (built by ``start_args`` and ``add``)."""
+    return {name: adapters.request(name).lora_int_id for name in adapters.names[1:]}
 
 
 def test_an_adapters_id_is_the_same_in_another_process_with_another_hash_seed():
@@ -46,9 +47,10 @@ def test_an_adapters_id_is_the_same_in_another_process_with_another_hash_seed():
     assert int(out) == adapter_id(A)  # Python's hash() of the name would differ here
 
 
-def test_ids_do_not_depend_on_the_order_adapters_are_given_in():
-    forward, backward = AdapterSet("base", [A, B, C]), AdapterSet("base", [C, B, A])
-    assert ids(forward) == ids(backward) == {a.name: adapter_id(a) for a in (A, B, C)}
+async def test_ids_do_not_depend_on_the_order_adapters_are_given_in(tmp_path, vllm):
+    a, b, c = (folder(tmp_path, x) for x in (A, B, C))
+    forward, backward = await started([a, b, c]), await started([c, b, a])
+    assert ids(forward) == ids(backward) == {x.name: adapter_id(x) for x in (a, b, c)}
     assert len(set(ids(forward).values())) == 3
     assert all(1 <= i <= LORA_ID_SPACE < 2**31 for i in ids(forward).values())  # vLLM: > 0, in int32
 

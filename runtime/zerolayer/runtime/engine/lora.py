@@ -91,9 +91,8 @@ class AdapterSet:
             raise ConfigError(f"model {base!r}: adapter names must be unique and differ from the model's")
         self.base = base
         self.adapters: tuple[LoraAdapter, ...] = ()
-        self._ids: dict[str, int] = {}  # served adapter -> its lora_int_id
         for adapter in adapters:
-            self._ids[adapter.name] = self._free_id(adapter)
+            self._free_id(adapter)  # refuses a clash with one before it
             self.adapters = (*self.adapters, adapter)
         self.max_rank: int | None = None  # LoRA on: the largest rank the engine takes
         self._requests: dict[str, Any] = {}
@@ -102,7 +101,7 @@ class AdapterSet:
         """``adapter``'s id; ConfigError when a served adapter has it (a 1 in 2**31 chance per pair):
         one id would load one adapter's weights for both."""
         ident = adapter_id(adapter)
-        clash = next((name for name, other in self._ids.items() if other == ident), None)
+        clash = next((other.name for other in self.adapters if adapter_id(other) == ident), None)
         if clash is not None:
             raise ConfigError(f"adapter {adapter.name!r}: its LoRA id {ident} (from its name and path) is "
                               f"that of adapter {clash!r}; rename one of them")
@@ -126,7 +125,7 @@ class AdapterSet:
         if self.adapters:
             from vllm.lora.request import LoRARequest
 
-            self._requests = {a.name: LoRARequest(a.name, self._ids[a.name], a.path) for a in self.adapters}
+            self._requests = {a.name: LoRARequest(a.name, adapter_id(a), a.path) for a in self.adapters}
         return args
 
     def request(self, name: str | None) -> Any:
@@ -161,7 +160,6 @@ class AdapterSet:
         except Exception as exc:  # vLLM raises plain errors for unreadable or mismatched adapters
             raise EngineError(f"vLLM could not load adapter {adapter.name!r} from {adapter.path}: {exc}") from exc
         self._requests[adapter.name] = request
-        self._ids[adapter.name] = ident
         self.adapters = (*self.adapters, adapter)
 
     async def remove(self, llm: Any, name: str) -> None:
@@ -172,7 +170,6 @@ class AdapterSet:
         request = self._requests.pop(name, None)
         if request is None:
             raise ConfigError(f"adapter {name!r} is not served by model {self.base!r}")
-        self._ids.pop(name, None)
         self.adapters = tuple(a for a in self.adapters if a.name != name)
         if llm is not None:
             await llm.remove_lora(request.lora_int_id)
