@@ -141,9 +141,15 @@ def shared_events_config(directory: str, topic: str = TOPIC) -> dict[str, Any]:
     module doc): the PUB and replay sockets as ``ipc://`` paths in ``directory`` (the caller's, mode
     0700, removed by it once the engine core stopped), which vLLM binds; each process's
     ``KvEventSubscriber(record, publisher=<these fields>)`` connects."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"ipc://{os.path.join(directory, 'events')}", "topic": topic,
-            "replay_endpoint": f"ipc://{os.path.join(directory, 'replay')}", "buffer_steps": REPLAY_BUFFER_STEPS}
+    return events_fields(f"ipc://{os.path.join(directory, 'events')}", f"ipc://{os.path.join(directory, 'replay')}",
+                         topic)
+
+
+def events_fields(endpoint: str, replay_endpoint: str, topic: str) -> dict[str, Any]:
+    """``KVEventsConfig``'s fields for vLLM's ZMQ publisher on ``endpoint``, answering replays on
+    ``replay_endpoint``."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": topic,
+            "replay_endpoint": replay_endpoint, "buffer_steps": REPLAY_BUFFER_STEPS}
 
 
 class KvEventSubscriber:
@@ -181,8 +187,7 @@ class KvEventSubscriber:
     def events_config(self) -> dict[str, Any]:
         """``KVEventsConfig``'s fields for the engine: publish to this subscriber, answer its replays
         (with ``publisher``: those fields, where the engine core binds)."""
-        return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint, "topic": self.topic,
-                "replay_endpoint": self.replay_endpoint, "buffer_steps": REPLAY_BUFFER_STEPS}
+        return events_fields(self.endpoint, self.replay_endpoint, self.topic)
 
     def replay(self, start: int) -> list[list[bytes]]:
         """Ask the engine core for its buffered batches from ``start`` on (vLLM's replay protocol: an
