@@ -3,7 +3,8 @@
 One module-wide setup on ``real-node-0`` (kubelet + containerd, kube-router enforcing
 NetworkPolicies): the runtime image imported into the node's containerd, ``helm install`` of the
 chart (the operator runs as a pod from that image), two TenantQuotas, and an InferenceNode that
-serves the generated tiny Llama model from a hostPath with the real vLLM engine. Then, in order:
+serves the generated tiny Llama model from a hostPath with the real vLLM engine, with two API processes
+(``spec.runtime.apiProcesses: 2``: one shared vLLM engine core per base model). Then, in order:
 the pod with server, defragd and auditor ready; the official Anthropic SDK through the pod IP;
 the NetworkPolicy truth table and how long a TenantQuota's deletion takes to revoke; a SIGKILLed
 server restarted without losing an audited token; SIGTERM draining an in-flight stream; a model
@@ -50,6 +51,7 @@ ADAPTER, SECOND = "tiny-sql", "tiny-b"  # a LoRA adapter on MODEL, and a second 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 POD_READY_S = 300  # vLLM in a pod was Ready in ~50 s; two shared cores, allow for a busy machine
 SELECTOR = f"app.kubernetes.io/name=zerolayer-runtime,zerolayer.io/inference-node={INODE}"
+API_PROCESSES = 2  # spec.runtime.apiProcesses of the InferenceNode below
 
 
 @dataclasses.dataclass
@@ -129,6 +131,35 @@ def _condition(obj: dict, type_: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions") or () if c["type"] == type_), {})
 
 
+def _per_process(stack: "Stack", family: str, *labels: str) -> dict[str, float]:
+    """A counter's samples summed per ``api_process`` on the pod's merged metrics page (the parent answers
+    ``--metrics-port`` with every API process's series), read from inside the server container: the
+    NetworkPolicy lets only the monitoring namespace reach the metrics port."""
+    name = stack.pod()["metadata"]["name"]
+    read = ("import urllib.request; "
+            f"print(urllib.request.urlopen('http://127.0.0.1:{METRICS_PORT}/metrics', timeout=20).read().decode())")
+    out = stack.cluster.kubectl("exec", "-n", RUNTIME_NS, name, "-c", "server", "--", "python3", "-c", read,
+                                timeout=60)
+    counts: dict[str, float] = {}
+    for line in out.stdout.splitlines():
+        if line.startswith(family + "{") and 'api_process="' in line and all(label in line for label in labels):
+            index = line.split('api_process="')[1].split('"')[0]
+            counts[index] = counts.get(index, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _one_client_per_process(url: str, key: str) -> list:
+    """``API_PROCESSES`` openai clients, each holding one open connection that exact connection balance
+    (the default) handed to another API process: each client's first request is made while the earlier
+    clients' connections are still open, so the parent gives it the process with the fewest."""
+    import openai
+
+    clients = [openai.OpenAI(base_url=url, api_key=key, max_retries=2, timeout=120) for _ in range(API_PROCESSES)]
+    for client in clients:
+        client.models.list()  # opens this client's connection (kept alive in its pool)
+    return clients
+
+
 @pytest.fixture(scope="module")
 def stack(_real_cluster_session, tmp_path_factory):
     cluster: RealCluster = _real_cluster_session
@@ -178,8 +209,10 @@ def stack(_real_cluster_session, tmp_path_factory):
                           # no C++ compiler), float32 weights as the model was written. drainSeconds: the
                           # drain tests' 1500-token stream must end inside it; at 20 s it once did not, with
                           # two engines in the pod and another run busy on the same two cores.
+                          # apiProcesses 2 (docs/api-processes.md): every test below runs against two API
+                          # processes sharing one engine core per model (the 200m request would default to 1)
                           "runtime": {"engine": "vllm", "kvCacheBytes": 268435456, "gpus": gpus, "drainSeconds": 60,
-                                      "enforceEager": True, "dtype": "float32",
+                                      "enforceEager": True, "dtype": "float32", "apiProcesses": API_PROCESSES,
                                       "resources": {"requests": {"cpu": "200m", "memory": "512Mi"},
                                                     "limits": {"memory": "8Gi"}}},
                           # precise mode (issue 24): the gossiped digest follows vLLM's KV cache events
@@ -242,6 +275,13 @@ def test_runtime_pod_is_ready_with_server_defragd_and_auditor(stack):
         assert server[probe]["httpGet"]["scheme"] == "HTTP"
     inode = stack.cluster.kubectl_json("get", "inferencenode", INODE)
     assert _condition(inode, "RuntimeReady")["status"] == "True"
+    assert inode["status"].get("apiProcesses") == API_PROCESSES  # gossiped by API process 0
+    log = stack.cluster.kubectl("logs", "-n", RUNTIME_NS, pod["metadata"]["name"], "-c", "server").stdout
+    # one parent, two API processes, one shared vLLM engine core per base model (MODEL and SECOND)
+    assert f"zerolayer runtime: {API_PROCESSES} API processes (pids " in log, log[-2000:]
+    assert "2 vLLM engine cores (one per model)" in log, log[-2000:]
+    for index in range(API_PROCESSES):
+        assert f"API process {index}/{API_PROCESSES}: zerolayer runtime serving on" in log, log[-2000:]
     # The runtime publishes its GPU map (gossip) through the API server: egress to it is allowed.
     assert inode["status"].get("lastHeartbeat")
     name = pod["metadata"]["name"]
@@ -341,33 +381,48 @@ def test_the_gossiped_prefix_digest_follows_vllm_kv_cache_events(stack):
 
 def test_two_models_and_an_adapter_served_by_one_pod(stack):
     """Each model of the InferenceNode has its own engine in the pod, the adapter runs on its base
-    model's engine, and all three are listed, routed by name and published in status.models."""
-    import openai
-
+    model's engine, and all three are listed, routed by name and published in status.models. Each of
+    the pod's two API processes answers each of them (one shared engine core per base model)."""
     pod = stack.pod()
     url = f"http://{pod['status']['podIP']}:{PORT}/v1"
-    with openai.OpenAI(base_url=url, api_key=stack.b.key, max_retries=2, timeout=120) as client:
-        listed = {m.id: m for m in client.models.list().data}
-        assert list(listed) == [MODEL, ADAPTER, SECOND]
-        assert listed[ADAPTER].parent == MODEL and listed[SECOND].parent is None
-        texts = {}
-        for model in (MODEL, ADAPTER, SECOND):
-            out = client.completions.create(model=model, prompt="The sea", max_tokens=8, temperature=0,
-                                            extra_body={"ignore_eos": True})
-            assert out.model == model and out.usage.completion_tokens == 8
-            texts[model] = out.choices[0].text
+    before = _per_process(stack, "zerolayer_requests_total", 'route="completions"', 'status="200"')
+    clients = _one_client_per_process(url, stack.b.key)
+    answers: list[dict[str, str]] = []
+    try:
+        for client in clients:  # each API process, through the engine core each model has
+            listed = {m.id: m for m in client.models.list().data}
+            assert list(listed) == [MODEL, ADAPTER, SECOND]
+            assert listed[ADAPTER].parent == MODEL and listed[SECOND].parent is None
+            texts = {}
+            for model in (MODEL, ADAPTER, SECOND):
+                out = client.completions.create(model=model, prompt="The sea", max_tokens=8, temperature=0,
+                                                extra_body={"ignore_eos": True})
+                assert out.model == model and out.usage.completion_tokens == 8
+                texts[model] = out.choices[0].text
+            answers.append(texts)
+    finally:
+        for client in clients:
+            client.close()
+    after = _per_process(stack, "zerolayer_requests_total", 'route="completions"', 'status="200"')
+    # Three answers from each API process: both serve every model and the adapter.
+    assert {i: after.get(i, 0) - before.get(i, 0) for i in after} == {str(i): 3 for i in range(API_PROCESSES)}, \
+        (before, after)
     # Three sets of weights, three greedy answers (the base model echoes the prompt's last token;
-    # the adapter and the second model, with larger weights, write their own).
+    # the adapter and the second model, with larger weights, write their own); the same from either
+    # process, since they share the engine cores.
+    texts = answers[0]
     assert len(set(texts.values())) == 3, texts
+    assert all(other == texts for other in answers), answers
     status = stack.cluster.kubectl_json("get", "inferencenode", INODE)["status"]
     assert status["models"] == [MODEL, ADAPTER, SECOND]
 
 
 def test_an_adapter_added_to_the_inferencenode_is_served_without_restarting_the_pod(stack):
     """Issue 25: an adapter put under the node's adapters directory and added to the InferenceNode is
-    loaded into the running engine (vLLM's dynamic LoRA): served by name, published in status.models,
-    and the pod is the same (UID, restartCount, DaemonSet generation). Removed again, it is refused by
-    name, still without a restart."""
+    loaded into the running engine (vLLM's dynamic LoRA): listed and served by name by each API process
+    (each runs its own InferenceNode watch; the adapter's id is the same in both, so the shared engine
+    core loads it once), published in status.models, and the pod is the same (UID, restartCount,
+    DaemonSet generation). Removed again, every API process refuses it by name, still without a restart."""
     import openai
 
     cluster, pod = stack.cluster, stack.pod()
@@ -385,13 +440,24 @@ def test_an_adapter_added_to_the_inferencenode_is_served_without_restarting_the_
         started = time.monotonic()
         cluster.kubectl("patch", "inferencenode", INODE, "--type=json",
                         "-p", json.dumps([{"op": "add", "path": "/spec/models/0/loras/-", "value": entry}]))
-        with openai.OpenAI(base_url=url, api_key=stack.b.key, max_retries=2, timeout=120) as client:
-            cluster.wait_for(lambda: live in [m.id for m in client.models.list().data], timeout=120, interval=1,
-                             what="the new adapter listed")
-            stack.times["adapter added -> listed by the running pod"] = time.monotonic() - started
-            out = client.completions.create(model=live, prompt="The sea", max_tokens=8, temperature=0,
-                                            extra_body={"ignore_eos": True})
-            assert out.model == live and out.usage.completion_tokens == 8
+        served = _per_process(stack, "zerolayer_requests_total", 'route="completions"', 'status="200"')
+        clients = _one_client_per_process(url, stack.b.key)
+        try:
+            texts = []
+            for client in clients:  # each API process runs its own InferenceNode watch and loads it
+                cluster.wait_for(lambda: live in [m.id for m in client.models.list().data], timeout=120,
+                                 interval=1, what="the new adapter listed by every API process")
+                out = client.completions.create(model=live, prompt="The sea", max_tokens=8, temperature=0,
+                                                extra_body={"ignore_eos": True})
+                assert out.model == live and out.usage.completion_tokens == 8
+                texts.append(out.choices[0].text)
+            stack.times["adapter added -> listed and served by every API process"] = time.monotonic() - started
+        finally:
+            for client in clients:
+                client.close()
+        now = _per_process(stack, "zerolayer_requests_total", 'route="completions"', 'status="200"')
+        assert {i: now.get(i, 0) - served.get(i, 0) for i in now} == {str(i): 1 for i in range(API_PROCESSES)}
+        assert len(set(texts)) == 1, texts  # one adapter id, one set of weights in the shared engine core
         cluster.wait_for(lambda: live in (cluster.kubectl_json("get", "inferencenode", INODE).get("status") or {})
                          .get("models", ()), timeout=60, interval=1, what="the adapter in status.models")
     finally:
@@ -400,12 +466,17 @@ def test_an_adapter_added_to_the_inferencenode_is_served_without_restarting_the_
         if index is not None:
             cluster.kubectl("patch", "inferencenode", INODE, "--type=json",
                             "-p", json.dumps([{"op": "remove", "path": f"/spec/models/0/loras/{index}"}]))
-    with openai.OpenAI(base_url=url, api_key=stack.b.key, max_retries=0, timeout=120) as client:
-        cluster.wait_for(lambda: live not in [m.id for m in client.models.list().data], timeout=120, interval=1,
-                         what="the removed adapter no longer listed")
-        with pytest.raises(openai.APIStatusError) as refused:
-            client.completions.create(model=live, prompt="The sea", max_tokens=8)
-    assert refused.value.status_code == 503 and live in str(refused.value)  # MODEL_UNAVAILABLE, by name
+    clients = _one_client_per_process(url, stack.b.key)
+    try:
+        for client in clients:  # every API process unloads it and refuses it by name
+            cluster.wait_for(lambda: live not in [m.id for m in client.models.list().data], timeout=120,
+                             interval=1, what="the removed adapter no longer listed by every API process")
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.with_options(max_retries=0).completions.create(model=live, prompt="The sea", max_tokens=8)
+            assert refused.value.status_code == 503 and live in str(refused.value)  # MODEL_UNAVAILABLE, by name
+    finally:
+        for client in clients:
+            client.close()
     shutil.rmtree(h.ADAPTERS_HOST_DIR / live, ignore_errors=True)
     after = stack.pod()
     assert after["metadata"]["uid"] == pod["metadata"]["uid"] and restarts(after) == before
