@@ -20,7 +20,13 @@ is the server process tree's user+system time over the measured run ÷ answered 
 ``--profile`` then samples the runtime with py-spy during one more h2c run and prints where
 its CPU goes (self time by function and by component).
 
-    python bench/serving_floor.py [-n 20000] [--profile]
+``--api-processes N`` (N > 1) adds two h2c rows: the runtime with ``server.api_processes: N`` (N
+interpreters behind one port, the parent handing each connection to the one with the fewest) and
+bare-h2 with ``--workers N`` (N processes on one port, SO_REUSEPORT). The multi-process runtime row is
+then set against the better of the two bare-h2 rows: the floor is the most the do-nothing server
+gives on this machine, with one process or N.
+
+    python bench/serving_floor.py [-n 20000] [--profile] [--api-processes 2]
 """
 
 from __future__ import annotations
@@ -58,8 +64,10 @@ def measure(cmd: list[str], port: int, n: int, shape: dict, env: dict | None = N
         return benchlib.h2load(url, n=n, pid=proc.pid, **shape)
 
 
-def runtime_server(port: int, *extra: str, quotas: bool = True) -> tuple[list[str], dict[str, str], str]:
-    config = benchlib.write_config(benchlib.runtime_config(port, quotas=quotas))
+def runtime_server(port: int, *extra: str, quotas: bool = True,
+                   api_processes: int = 1) -> tuple[list[str], dict[str, str], str]:
+    settings = {"server": {"api_processes": api_processes}} if api_processes > 1 else {}
+    config = benchlib.write_config(benchlib.runtime_config(port, quotas=quotas, **settings))
     return benchlib.runtime_cmd(config, *extra), {"BENCH_KEY": benchlib.KEY}, config
 
 
@@ -127,6 +135,18 @@ def component(frames: list[str]) -> str:
     return "other"
 
 
+def floor_of(name: str, rows: dict[str, dict]) -> dict:
+    """The row ``name`` is set against: uvicorn for HTTP/1.1; bare-h2 for h2c; for the runtime with N API
+    processes (``zerolayer-xN h2c``) the better (more req/s) of bare-h2 with one process and with N."""
+    server, proto = name.split()
+    if proto != "h2c":
+        return rows["uvicorn h1"]
+    if server.startswith("zerolayer-x"):
+        many = rows.get(f"bare-h2-x{server.rpartition('-x')[2]} h2c")
+        return max([rows["bare-h2 h2c"], *([many] if many else [])], key=lambda r: r["rps"])
+    return rows["bare-h2 h2c"]
+
+
 def report(rows: dict[str, dict], args: argparse.Namespace, prof: dict | None) -> str:
     floor, h1floor = rows["bare-h2 h2c"], rows["uvicorn h1"]
     rev = os.environ.get("ZEROLAYER_BENCH_REV", "working tree")
@@ -139,7 +159,7 @@ def report(rows: dict[str, dict], args: argparse.Namespace, prof: dict | None) -
         f"  {'req/s vs floor':>14}  {'CPU/req vs floor':>16}",
     ]
     for name, r in rows.items():
-        base = floor if name.endswith("h2c") else h1floor
+        base = floor_of(name, rows)
         lines.append(f"{name.split()[0]:<16} {name.split()[1]:<5} {r['rps']:8.0f} {r['p50_ms']:8.2f} "
                      f"{r['p99_ms']:8.2f} {r['cpu_ms_per_req']:10.3f} {r['failed']:7d}  "
                      f"{benchlib.ratio(r['rps'], base['rps']):>14}  "
@@ -152,6 +172,10 @@ def report(rows: dict[str, dict], args: argparse.Namespace, prof: dict | None) -
         f"{z2['cpu_ms_per_req']:.3f} ms server CPU per request (goal <= 0.2 ms; floor {floor['cpu_ms_per_req']:.3f}).",
         f"zerolayer HTTP/1.1 keeps {z1['rps'] / h1floor['rps']:.0%} of uvicorn's req/s at "
         f"{z1['cpu_ms_per_req']:.3f} ms CPU per request (uvicorn {h1floor['cpu_ms_per_req']:.3f}).",
+        *[f"{name.split()[0]} h2c keeps {r['rps'] / floor_of(name, rows)['rps']:.0%} of the better bare-h2 row's "
+          f"req/s ({floor_of(name, rows)['rps']:.0f}) at {r['cpu_ms_per_req']:.3f} ms server CPU per request, "
+          f"{r['rps'] / z2['rps']:.2f}x the one-process runtime's req/s."
+          for name, r in rows.items() if name.startswith("zerolayer-x")],
         "",
         "commands (URL, headers and body as in bench/serving_floor.py):",
         *sorted({f"  {r['command'].split(' -d ')[0]} ..." for r in rows.values()}),
@@ -193,6 +217,8 @@ def main() -> int:
     parser.add_argument("-n", type=int, default=20000, help="requests per measured run")
     parser.add_argument("--profile", action="store_true", help="also sample the runtime with py-spy")
     parser.add_argument("--name", default="serving_floor", help="results file stem")
+    parser.add_argument("--api-processes", type=int, default=1,
+                        help="N > 1: also bare-h2 with N workers and the runtime with N API processes (h2c)")
     args = parser.parse_args()
     rows: dict[str, dict] = {}
     port = benchlib.free_port()
@@ -217,8 +243,20 @@ def main() -> int:
             port = benchlib.free_port()
             rows["uvicorn h1"] = measure(uvicorn_cmd(port), port, args.n, H1)
             print("uvicorn h1", rows["uvicorn h1"]["rps"], file=sys.stderr, flush=True)
+    order = ["bare-h2 h2c", "zerolayer h2c", "zl-noquota h2c", "uvicorn h1", "zerolayer h1"]
+    if args.api_processes > 1:
+        n = args.api_processes
+        port = benchlib.free_port()
+        rows[f"bare-h2-x{n} h2c"] = measure(bare_cmd(port, workers=n), port, args.n, H2)
+        port = benchlib.free_port()
+        cmd, env, config = runtime_server(port, api_processes=n)
+        try:
+            rows[f"zerolayer-x{n} h2c"] = measure(cmd, port, args.n, H2, env)
+        finally:
+            os.unlink(config)
+        order += [f"bare-h2-x{n} h2c", f"zerolayer-x{n} h2c"]
     # Table order: each floor above the runtime row it is the floor for.
-    rows = {k: rows[k] for k in ("bare-h2 h2c", "zerolayer h2c", "zl-noquota h2c", "uvicorn h1", "zerolayer h1")}
+    rows = {k: rows[k] for k in order}
     prof = profile(args.n) if args.profile else None
     text = report(rows, args, prof)
     print(text)

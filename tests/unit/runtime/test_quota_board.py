@@ -100,3 +100,55 @@ def test_a_spawned_process_sees_the_parents_streams() -> None:
     assert out.get(timeout=60) is True
     child.join(30)
     assert board.totals("acme")[0] == 1  # the child's stream is still open in its (exited) row
+
+
+class _Interleaved(MicroScheduler):
+    """A scheduler that lets another process's admission happen after its filter chain passed and before
+    it charges: the window the node-wide lock no longer covers (MicroScheduler._charge)."""
+
+    meanwhile = None
+
+    def _first_refusal(self, ctx):  # type: ignore[no-untyped-def]
+        refusal = super()._first_refusal(ctx)
+        step, self.meanwhile = self.meanwhile, None
+        if step is not None:
+            step()
+        return refusal
+
+
+def test_the_quota_is_decided_again_under_the_lock_when_another_process_charged_meanwhile() -> None:
+    board = QuotaBoard.create(2)
+    config = SchedulerConfig()
+    a = _Interleaved(config, ledger=SharedQuotaLedger(board, 0, config.quota_window_s, config.concurrency_retry_after_s))
+    a.set_tenants({"acme": TenantPolicy("acme", max_concurrent_streams=1, tokens_per_minute=100)})
+    b = scheduler(board, 1, max_concurrent_streams=1, tokens_per_minute=100)
+    seen = []
+    a.meanwhile = lambda: seen.append(b.admit(ticket("b1"), 1.0))  # a's chain saw 0 open streams
+    late = a.admit(ticket("a1"), 1.0)
+    assert seen[0].admitted
+    assert not late.admitted and late.reason == "concurrency", late
+    assert board.totals("acme")[0] == 1  # one open stream on the node, as the limit says
+
+
+def test_a_body_stage_resize_is_decided_again_under_the_lock() -> None:
+    board = QuotaBoard.create(2)
+    config = SchedulerConfig()
+    a = _Interleaved(config, ledger=SharedQuotaLedger(board, 0, config.quota_window_s, config.concurrency_retry_after_s))
+    a.set_tenants({"acme": TenantPolicy("acme", max_concurrent_streams=4, tokens_per_minute=100)})
+    b = scheduler(board, 1, max_concurrent_streams=4, tokens_per_minute=100)
+    assert a.admit(ticket("a1", 20), 1.0).admitted  # 40 reserved at HEADERS
+    seen = []
+    a.meanwhile = lambda: seen.append(b.admit(ticket("b1", 25), 1.0))  # 50 more: 90 on the node
+    grown = a.admit(ticket("a1", 30), 1.0, stage="body")  # a's chain saw 40 + 20 more fit; with b's 50 they do not
+    assert seen[0].admitted
+    assert not grown.admitted and grown.reason == "tokens", grown
+    assert board.totals("acme") == (1, 2, 50)  # a's HEADERS reservation released, b's kept
+
+
+def test_settles_and_releases_only_lower_a_published_row() -> None:
+    board = QuotaBoard.create(2)
+    a = scheduler(board, 0, max_concurrent_streams=4, tokens_per_minute=1000)
+    admitted = a.admit(ticket("a1", 50), 1.0)
+    assert board.totals("acme") == (1, 1, 100)
+    a.settle(admitted.reservation, 30, 1.5)  # used 30 of the 100 reserved
+    assert board.totals("acme") == (0, 1, 30)

@@ -7,10 +7,17 @@ its traffic) lands on one process, so every process keeps its own exact ledger
 (:class:`~zerolayer.runtime.scheduler.quota.TenantLedger`) and *publishes* its per-tenant totals in
 a row of a shared-memory table; a check adds the other rows to its own:
 
-    **Bound.** Every admission happens under one node-wide lock (a POSIX semaphore) held from the
+    **Bound.** Every charge happens under one node-wide lock (a POSIX semaphore) held from the
     quota check to the charge and its publication, so for every tenant and every moment the sum
     over processes of (open streams, requests and tokens reserved in the trailing window) is at
     most the tenant's limit, as in one process (``quota.py``'s bound, node-wide).
+
+Only a charge raises a row. Settles, releases and the window's expiry lower it, and each row has
+one writer (its process, under its scheduler's lock), so those publish without the node-wide lock:
+a check under the lock reads each counter's old, higher value or its new one, and both keep the
+bound. The scheduler's admission runs its filter chain outside the lock and takes it only to decide
+the quota again and charge (``MicroScheduler._charge``): with two API processes, holding it across
+the whole admission made the processes wait on each other (docs/api-processes.md, "Measured").
 
 A published row can only over-state: charges leave a process's window as time passes, and the
 row is re-published at each of the process's own changes and on each telemetry sample
@@ -51,7 +58,7 @@ class QuotaBoard:
     capacity: int
     keys: Any  # RawArray('Q', capacity): 0 = free slot, else the tenant's hash
     counters: Any  # RawArray('q', capacity * processes * FIELDS)
-    lock: Any  # multiprocessing Lock (a POSIX semaphore)
+    lock: Any  # multiprocessing RLock (a POSIX semaphore): a slot's claim may happen inside a charge's hold
 
     @classmethod
     def create(cls, processes: int, capacity: int = DEFAULT_CAPACITY, context: Any = None) -> "QuotaBoard":
@@ -59,21 +66,23 @@ class QuotaBoard:
             raise ValueError("a quota board needs at least one process")
         ctx = context or multiprocessing.get_context("spawn")
         return cls(processes, capacity, ctx.RawArray("Q", capacity), ctx.RawArray("q", capacity * processes * FIELDS),
-                   ctx.Lock())
+                   ctx.RLock())
 
     def slot(self, tenant: str) -> int:
-        """The tenant's slot, claimed on first use (call under :attr:`lock`). Raises :class:`BoardFull`."""
+        """The tenant's slot, claimed on first use under :attr:`lock` (two processes must not claim one
+        hole for two tenants). Raises :class:`BoardFull`."""
         key = tenant_key(tenant)
         keys, capacity = self.keys, self.capacity
-        index = key % capacity
-        for _ in range(capacity):  # open addressing: slots are never freed, so a probe ends at the key or a hole
-            held = keys[index]
-            if held == key:
-                return index
-            if held == 0:
-                keys[index] = key
-                return index
-            index = (index + 1) % capacity
+        with self.lock:
+            index = key % capacity
+            for _ in range(capacity):  # open addressing: slots are never freed, so a probe ends at the key or a hole
+                held = keys[index]
+                if held == key:
+                    return index
+                if held == 0:
+                    keys[index] = key
+                    return index
+                index = (index + 1) % capacity
         raise BoardFull(f"the node's quota board holds {capacity} tenants; tenant {tenant!r} does not fit")
 
     def publish(self, slot: int, process: int, open_streams: int, requests: int, tokens: int) -> None:
@@ -98,8 +107,9 @@ class QuotaBoard:
 
     def totals(self, tenant: str) -> tuple[int, int, int]:
         """Node-wide (open streams, requests, tokens) of ``tenant`` as published (what tests read)."""
+        slot = self.slot(tenant)
         with self.lock:
-            return self.others(self.slot(tenant), -1)
+            return self.others(slot, -1)
 
 
 def tenant_key(tenant: str) -> int:
@@ -108,8 +118,8 @@ def tenant_key(tenant: str) -> int:
 
 
 class _PublishedLedger(TenantLedger):
-    """A :class:`TenantLedger` that re-publishes its totals after every change (the caller holds the
-    board's lock: :meth:`SharedQuotaLedger.transaction`)."""
+    """A :class:`TenantLedger` that re-publishes its totals after every change (a charge's caller holds
+    the board's lock, :meth:`SharedQuotaLedger.transaction`; the other changes only lower the row)."""
 
     def __init__(self, window_s: float, publish: Any) -> None:
         super().__init__(window_s)
@@ -133,7 +143,9 @@ class SharedQuotaLedger(QuotaLedger):
     """The :class:`QuotaLedger` of API process ``index`` of the board's N: its own charges, publishing
     them after every change; :meth:`QuotaLedger.check` and :meth:`QuotaLedger.headers` add what the
     other processes published (:meth:`others`). The scheduler holds :meth:`transaction` from check to
-    charge (``MicroScheduler.admit``)."""
+    charge (``MicroScheduler._charge``)."""
+
+    node_wide = True
 
     def __init__(self, board: QuotaBoard, index: int, window_s: float = 60.0,
                  concurrency_retry_after_s: float = 1.0) -> None:

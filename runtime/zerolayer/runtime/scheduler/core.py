@@ -19,7 +19,7 @@ from .api import Admission, Preemption, Pressure, Reservation, RunningStream, Te
 from .running import LocalRunning, RunningView
 from .config import SchedulerConfig, SchedulerError
 from .metrics import SchedulerMetrics
-from .plugins import (AdmissionContext, Refusal, SharedState, build_filters, build_ordering,
+from .plugins import (AdmissionContext, QuotaFilter, Refusal, SharedState, build_filters, build_ordering,
                       build_victim_picker)
 from .pressure import SHED_CLASSES, PressureGate, Projection
 from .quota import QuotaLedger, retry_after_header
@@ -63,6 +63,8 @@ class MicroScheduler:
         self._state = SharedState(self.config, PressureGate.from_config(self.config), ledger,
                                   Projection(self.config.kv_capacity_tokens))
         self._filters = build_filters(self._state)
+        # The quota filter of the chain, when it has one: decided again under a node-wide ledger's lock (_charge).
+        self._quota = next((f for f in self._filters if isinstance(f, QuotaFilter)), None)
         self._ordering = build_ordering(self._state)
         self._victims = build_victim_picker(self._state)
         self._lock = threading.Lock()
@@ -132,20 +134,21 @@ class MicroScheduler:
     def admit(self, ticket: Ticket, now: float, stage: str = "headers") -> Admission:
         if stage not in STAGES:
             raise SchedulerError(f"unknown admission stage {stage!r}; use one of {STAGES}")
-        with self._lock, self._state.ledger.transaction():
+        with self._lock:
             previous = self._streams.get(ticket.stream_key)
             policy = self._tenants.get(ticket.tenant)
             ctx = AdmissionContext(ticket, now, stage, policy, previous is not None, self._last_pressure)
             refusal = self._first_refusal(ctx)
+            at = 0.0
+            if refusal is None:
+                # Everything that can fail comes before the first mutation: a plugin error must leave
+                # no charge and no open stream behind.
+                engine_priority = self._ordering.engine_priority(ticket)
+                refusal, at = self._charge(ctx)
             if refusal is not None:
                 if previous is not None:
                     self._release(previous, now)
                 return self._refuse(ticket, refusal, now)
-            # Everything that can fail comes before the first mutation: a plugin error must leave
-            # no charge and no open stream behind.
-            engine_priority = self._ordering.engine_priority(ticket)
-            at = self._state.ledger.tenant(ticket.tenant).charge(
-                ticket.stream_key, ticket.prompt_tokens + ticket.max_tokens, now, new_request=previous is None)
             reservation = Reservation(ticket.stream_key, ticket.tenant, ticket.priority,
                                       ticket.prompt_tokens + ticket.max_tokens, at)
             before = previous.reservation.reserved_tokens if previous is not None else 0
@@ -159,7 +162,8 @@ class MicroScheduler:
             return Admission(True, reservation, headers=headers, engine_priority=engine_priority)
 
     def settle(self, reservation: Reservation, used_tokens: int, now: float) -> None:
-        with self._lock, self._state.ledger.transaction():
+        # No ledger transaction: a settle only lowers what the ledger publishes (_charge says why that is safe).
+        with self._lock:
             stream = self._streams.get(reservation.stream_key)
             self._preempted.discard(reservation.stream_key)
             if stream is None:
@@ -198,6 +202,27 @@ class MicroScheduler:
         return out
 
     # ------------------------------------------------------------------ internals
+    def _charge(self, ctx: AdmissionContext) -> tuple[Refusal | None, float]:
+        """Charge the ticket's reservation to its tenant: (None, charge time), or the quota's refusal.
+
+        Under the ledger's transaction, which with several API processes is the node-wide lock of their
+        shared board (``board.py``). There the quota filter's verdict in the chain was a first look, from
+        rows the other processes may have raised since: the quota is decided again under the lock, from
+        check to charge. That keeps the bound (a tenant's node-wide totals never pass its limits) while the
+        rest of an admission (the other filters, metrics, headers) runs outside the lock: only a charge
+        raises what a process publishes; settles, releases and the window's expiry only lower it, and each
+        process's row has one writer, so those publish without the lock (a reader sees the old, higher
+        value or the new one). In one process the transaction holds nothing and the check is not repeated.
+        """
+        ticket, ledger = ctx.ticket, self._state.ledger
+        with ledger.transaction():
+            if ledger.node_wide and self._quota is not None:
+                refusal = self._quota.check(ctx)
+                if refusal is not None:
+                    return refusal, 0.0
+            return None, ledger.tenant(ticket.tenant).charge(
+                ticket.stream_key, ticket.prompt_tokens + ticket.max_tokens, ctx.now, new_request=not ctx.readmission)
+
     def _first_refusal(self, ctx: AdmissionContext) -> Refusal | None:
         for f in self._filters:
             refusal = f.check(ctx)

@@ -176,10 +176,14 @@ class QuotaLedger:
         """Names of the tenants with a ledger (charged at least once)."""
         return set(self._tenants)
 
+    #: Whether other processes charge the same tenants (several API processes' shared board, ``board.py``):
+    #: the scheduler then decides the quota again inside :meth:`transaction`, from check to charge.
+    node_wide = False
+
     def transaction(self) -> ContextManager[None]:
-        """Held by the scheduler from a check to the charge it allows, and around settles. Nothing to
-        hold in one process (the scheduler's own lock serialises it); the node-wide ledger of several
-        API processes takes its shared lock here (``board.py``)."""
+        """Held by the scheduler from the quota check to the charge it allows. Nothing to hold in one
+        process (the scheduler's own lock serialises it); the node-wide ledger of several API processes
+        takes its shared lock here (``board.py``)."""
         return contextlib.nullcontext()
 
     def refresh(self, now: float) -> None:
