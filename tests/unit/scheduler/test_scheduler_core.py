@@ -122,3 +122,48 @@ def test_config_from_mapping(data, expected):
 def test_config_errors(data, message):
     with pytest.raises(SchedulerConfigError, match=message):
         SchedulerConfig.from_mapping(data)
+
+
+def test_reconfigure_reaches_every_filter_at_the_next_admission():
+    """An edited InferenceNode's scheduler section applies without a restart, in each filter: the
+    deadline estimate, the pressure refusal's retry-after and projected marks, unknown tenants."""
+    sched = scheduler({"acme": TenantPolicy("acme")}, min_first_token_s=0.0, pressure_retry_after_s=1.0,
+                      kv_capacity_tokens=1000)
+    assert sched.admit(ticket(prompt=0, deadline=1.1), now=1.0).admitted
+    assert sched.admit(ticket(tenant="stranger"), now=1.0).admitted
+    sched.observe(pressure(0.95, 1.0), now=1.0)
+    assert sched.admit(ticket(L), now=1.0).retry_after_s == 1.0
+    assert sched.admit(ticket(N, prompt=0, max_tokens=1), now=1.0).admitted  # 0.95 + 1/1000 < 0.97
+
+    sched.reconfigure(SchedulerConfig(min_first_token_s=0.5, pressure_retry_after_s=7.0, kv_capacity_tokens=1000,
+                                      normal_shed_at=0.95, normal_resume_below=0.9, low_shed_at=0.93,
+                                      low_resume_below=0.9, unknown_tenants_allowed=False))
+    assert sched.admit(ticket(prompt=0, deadline=1.1), now=1.0).reason == "deadline_unreachable"
+    assert sched.admit(ticket(L), now=1.0).retry_after_s == 7.0
+    refused = sched.admit(ticket(N, prompt=0, max_tokens=1), now=1.0)
+    assert refused.reason == "projected_memory_pressure" and refused.retry_after_s == 7.0
+    assert sched.admit(ticket(tenant="stranger"), now=1.0).code is ErrorCode.PERMISSION_DENIED
+
+
+def test_reconfigure_rebuilds_the_plugin_chain_and_retunes_the_quota_window():
+    sched = scheduler({"acme": TenantPolicy("acme", requests_per_minute=1)}, concurrency_retry_after_s=1.0)
+    sched.observe(pressure(0.99, 1.0), now=1.0)
+    assert sched.admit(ticket(L), now=1.0).reason == "memory_pressure"
+    first = sched.admit(ticket(H), now=1.0)
+    sched.settle(first.reservation, 1, now=1.5)
+    assert sched.admit(ticket(H), now=20.0).reason == "requests"  # one request per 60 s window
+
+    sched.reconfigure(SchedulerConfig(filters=("permission", "quota", "deadline"), ordering="priority-class",
+                                      quota_window_s=10.0))  # shedding off, a 10 s window
+    assert sched.filter_names == ["permission", "quota", "deadline"]
+    assert sched.admit(ticket(L), now=20.0).admitted  # no pressure filter; the 1.0 charge left the window
+    assert sched.engine_priority(ticket(L, deadline=5.0)) == int(L)
+
+
+def test_reconfigure_with_an_unknown_plugin_applies_nothing():
+    sched = scheduler(min_first_token_s=0.0)
+    with pytest.raises(SchedulerConfigError, match="unknown filter 'fast-lane'"):
+        sched.reconfigure(SchedulerConfig(filters=("permission", "fast-lane"), min_first_token_s=0.5))
+    assert sched.filter_names == ["permission", "quota", "deadline", "pressure"]
+    assert sched.config.min_first_token_s == 0.0
+    assert sched.admit(ticket(prompt=0, deadline=1.1), now=1.0).admitted

@@ -122,6 +122,14 @@ class SchedulerConfig:
             return Watermarks(self.normal_shed_at, self.normal_resume_below)
         return Watermarks(float("inf"), float("inf"))
 
+    def shed_at(self, priority: Priority) -> float:
+        """``watermarks(priority).shed_at`` without building the pair (read at every admission)."""
+        if priority is Priority.LOW:
+            return self.low_shed_at
+        if priority is Priority.NORMAL:
+            return self.normal_shed_at
+        return float("inf")
+
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "SchedulerConfig":
         """Build from a YAML/JSON mapping with the field names above (camelCase accepted).

@@ -101,18 +101,32 @@ class MicroScheduler:
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Apply new settings to a running scheduler (an edited InferenceNode, no restart).
 
-        Shedding marks, preemption and retry settings take effect at the next decision; a class
-        that is shedding keeps shedding until a sample falls below its new resume mark. Open
-        streams and quota reservations are untouched. A KV capacity adopted from the engine is
-        kept when the new config leaves it at 0 and still allows adoption.
+        Every setting takes effect at the next decision: shedding marks, preemption, the filters'
+        settings (deadline estimate, retry-afters, unknown tenants), the plugin chain, ordering and
+        victim picker (rebuilt when named differently), the quota window. A class that is shedding
+        keeps shedding until a sample falls below its new resume mark. Open streams and quota
+        reservations are untouched; a shorter window lets older charges go at the next check. A KV
+        capacity adopted from the engine is kept when the new config leaves it at 0 and still allows
+        adoption. An unknown plugin name raises :class:`SchedulerConfigError` and applies nothing.
         """
         with self._lock:
             if (config.kv_capacity_tokens == 0 and config.adopt_engine_kv_capacity
                     and self.config.adopt_engine_kv_capacity):
                 config = dataclasses.replace(config, kv_capacity_tokens=self.config.kv_capacity_tokens)
-            self.config = self._state.config = config
-            self._state.gate.retune(config)
-            self._state.projection.capacity_tokens = config.kv_capacity_tokens
+            state = self._state
+            plugins = (config.filters, config.ordering, config.victims)
+            rebuilt = plugins != (self.config.filters, self.config.ordering, self.config.victims)
+            if rebuilt:  # built before anything changes: a bad name leaves everything as it was
+                filters = build_filters(state, config.filters)
+                ordering = build_ordering(state, config.ordering)
+                victims = build_victim_picker(state, config.victims)
+            self.config = state.config = config
+            if rebuilt:
+                self._filters, self._ordering, self._victims = filters, ordering, victims
+                self._quota = next((f for f in filters if isinstance(f, QuotaFilter)), None)
+            state.gate.retune(config)
+            state.projection.capacity_tokens = config.kv_capacity_tokens
+            state.ledger.retune(config.quota_window_s, config.concurrency_retry_after_s)
 
     def adopt_kv_capacity(self, tokens: int) -> bool:
         """Project with the engine's KV-cache size (``tokens``) when the config left

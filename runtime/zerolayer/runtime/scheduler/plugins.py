@@ -89,16 +89,19 @@ def _register(table: dict, type_name: str):
     return deco
 
 
-def build_filters(state: SharedState) -> list[Filter]:
-    return [_lookup(FILTERS, "filter", name)(state) for name in state.config.filters]
+# Each builder takes the plugin names from ``state.config`` unless given (MicroScheduler.reconfigure
+# builds a new config's plugins before applying it). Plugins read ``state.config`` when they decide,
+# never keep a copy of it: reconfigure replaces it.
+def build_filters(state: SharedState, names: Sequence[str] | None = None) -> list[Filter]:
+    return [_lookup(FILTERS, "filter", name)(state) for name in (state.config.filters if names is None else names)]
 
 
-def build_ordering(state: SharedState) -> OrderingPolicy:
-    return _lookup(ORDERINGS, "ordering policy", state.config.ordering)(state)
+def build_ordering(state: SharedState, name: str | None = None) -> OrderingPolicy:
+    return _lookup(ORDERINGS, "ordering policy", name or state.config.ordering)(state)
 
 
-def build_victim_picker(state: SharedState) -> VictimPicker:
-    return _lookup(VICTIM_PICKERS, "victim picker", state.config.victims)(state)
+def build_victim_picker(state: SharedState, name: str | None = None) -> VictimPicker:
+    return _lookup(VICTIM_PICKERS, "victim picker", name or state.config.victims)(state)
 
 
 def _lookup(table: dict, kind: str, name: str):
@@ -114,12 +117,12 @@ class PermissionFilter:
     """Allowed priorities and models of the tenant -> PERMISSION_DENIED."""
 
     def __init__(self, state: SharedState) -> None:
-        self._unknown_allowed = state.config.unknown_tenants_allowed
+        self._state = state  # its config is read at each check: reconfigure() replaces it
 
     def check(self, ctx: AdmissionContext) -> Refusal | None:
         policy, ticket = ctx.policy, ctx.ticket
         if policy is None:
-            if self._unknown_allowed:
+            if self._state.config.unknown_tenants_allowed:
                 return None
             return Refusal(ErrorCode.PERMISSION_DENIED, "unknown_tenant",
                            f"tenant {ticket.tenant!r} has no quota on this node")
@@ -164,10 +167,10 @@ class DeadlineFilter:
     """
 
     def __init__(self, state: SharedState) -> None:
-        self._config = state.config
+        self._state = state  # its config is read at each check: reconfigure() replaces it
 
     def estimate_first_token_s(self, ticket: Ticket, load: Pressure | None) -> float:
-        c = self._config
+        c = self._state.config
         waiting = load.waiting if load is not None else 0
         return c.min_first_token_s + ticket.prompt_tokens / c.prefill_tokens_per_s + waiting * c.queue_delay_per_waiting_s
 
@@ -189,24 +192,26 @@ class PressureFilter:
     """New streams of a class being shed are refused at once -> RESOURCE_EXHAUSTED."""
 
     def __init__(self, state: SharedState) -> None:
+        self._state = state  # its config is read at each check: reconfigure() replaces it
         self._gate = state.gate
         self._projection = state.projection
-        self._config = state.config
-        self._retry_after_s = state.config.pressure_retry_after_s
 
     def check(self, ctx: AdmissionContext) -> Refusal | None:
         priority = ctx.ticket.priority
-        what = priority.name.lower()
         if not self._gate.admitting(priority):
             fraction = self._gate.last_fraction or 0.0
             return Refusal(ErrorCode.RESOURCE_EXHAUSTED, "memory_pressure",
-                           f"node is shedding {what} work: memory at {fraction:.1%}", self._retry_after_s)
+                           f"node is shedding {priority.name.lower()} work: memory at {fraction:.1%}",
+                           self._state.config.pressure_retry_after_s)
         # the last sample was below the mark, but what was admitted since may not be
+        if not self._projection.enabled:
+            return None
         projected = self._projection.fraction(self._gate.last_fraction)
-        if projected is not None and self._projection.enabled and projected >= self._config.watermarks(priority).shed_at:
+        config = self._state.config
+        if projected is not None and projected >= config.shed_at(priority):
             return Refusal(ErrorCode.RESOURCE_EXHAUSTED, "projected_memory_pressure",
-                           f"node is not taking more {what} work until the next memory sample: "
-                           f"{projected:.1%} projected", self._retry_after_s)
+                           f"node is not taking more {priority.name.lower()} work until the next memory sample: "
+                           f"{projected:.1%} projected", config.pressure_retry_after_s)
         return None
 
 

@@ -172,6 +172,14 @@ class QuotaLedger:
         self.concurrency_retry_after_s = concurrency_retry_after_s
         self._tenants: dict[str, TenantLedger] = {}
 
+    def retune(self, window_s: float, concurrency_retry_after_s: float) -> None:
+        """New settings for a running ledger (``MicroScheduler.reconfigure``): charges are kept; with a
+        shorter window the older ones leave at the next check, with a longer one those still held count longer."""
+        self.window_s = window_s
+        self.concurrency_retry_after_s = concurrency_retry_after_s
+        for ledger in self._tenants.values():
+            ledger.window_s = window_s
+
     def tenants(self) -> set[str]:
         """Names of the tenants with a ledger (charged at least once)."""
         return set(self._tenants)
@@ -221,7 +229,8 @@ class QuotaLedger:
         window = _window_words(self.window_s)
         if new_request:
             limit = policy.max_concurrent_streams
-            if limit is not None and len(ledger.open_streams - {stream_key}) + o_open >= limit:
+            open_streams = ledger.open_streams
+            if limit is not None and len(open_streams) - (stream_key in open_streams) + o_open >= limit:
                 return QuotaVerdict("concurrency", f"tenant {policy.tenant!r} already has {limit} open streams "
                                     "(max_concurrent_streams)", self.concurrency_retry_after_s)
             limit = policy.requests_per_minute
