@@ -167,3 +167,25 @@ def test_reconfigure_with_an_unknown_plugin_applies_nothing():
     assert sched.filter_names == ["permission", "quota", "deadline", "pressure"]
     assert sched.config.min_first_token_s == 0.0
     assert sched.admit(ticket(prompt=0, deadline=1.1), now=1.0).admitted
+
+
+def test_open_streams_gauge_counts_admitted_not_settled():
+    sched = scheduler()
+    first = sched.admit(ticket(), now=0.0)
+    sched.admit(ticket(), now=0.0)
+    assert sample_value(sched.registry, "zerolayer_scheduler_open_streams") == 2
+    sched.settle(first.reservation, 1, now=0.1)
+    assert sample_value(sched.registry, "zerolayer_scheduler_open_streams") == 1
+
+
+def test_sized_ticket_is_replace_with_every_other_field_kept():
+    """Ticket.sized builds the body-stage ticket field by field: a field added to Ticket must be kept."""
+    import dataclasses
+
+    from zerolayer.runtime.scheduler import Ticket
+    values = {"stream_key": "c/1", "tenant": "acme", "priority": L, "model": "a", "prompt_tokens": 1,
+              "max_tokens": 2, "deadline": 3.0, "session": "s", "arrived": 4.0}
+    assert set(values) == {f.name for f in dataclasses.fields(Ticket)}, "a new Ticket field: give it a value here"
+    original = Ticket(**values)
+    assert original.sized("b", H, 7, 9) == dataclasses.replace(original, model="b", priority=H, prompt_tokens=7,
+                                                               max_tokens=9)

@@ -50,6 +50,12 @@ class Ticket:
     session: str | None = None
     arrived: float | None = None  # monotonic seconds the request arrived; bounds how far a deadline jumps
 
+    def sized(self, model: str, priority: Priority, prompt_tokens: int, max_tokens: int) -> "Ticket":
+        """This stream's ticket once its body is read (``admit(stage="body")``): ``dataclasses.replace``
+        with these four, built directly (it runs per request; ``replace`` costs about 3x as much)."""
+        return Ticket(self.stream_key, self.tenant, priority, model, prompt_tokens, max_tokens, self.deadline,
+                      self.session, self.arrived)
+
 
 @dataclasses.dataclass(frozen=True)
 class Reservation:

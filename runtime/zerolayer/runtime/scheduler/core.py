@@ -70,6 +70,7 @@ class MicroScheduler:
         self._lock = threading.Lock()
         self._tenants: dict[str, TenantPolicy] = dict(tenants or {})
         self._streams: dict[str, _Stream] = {}
+        self.metrics.open_streams.set_function(lambda: len(self._streams))  # read when scraped, not set per request
         self._preempted: set[str] = set()
         self._last_pressure: Pressure | None = None
         #: per class: sampled_at of the sample that started shedding, until the first refusal
@@ -169,7 +170,6 @@ class MicroScheduler:
             self._state.projection.admitted(reservation.reserved_tokens - before, now)
             self._streams[ticket.stream_key] = _Stream(ticket, reservation)
             self.metrics.count_admitted(ticket.priority, stage)
-            self.metrics.open_streams.set(len(self._streams))
             # The response carries the body stage's x-ratelimit-* headers; an accepted HEADERS stage's are
             # never answered (the response head waits for the body), so they are not built.
             headers = self._state.ledger.headers(policy, now) if policy is not None and stage == "body" else {}
@@ -184,7 +184,6 @@ class MicroScheduler:
                 return
             del self._streams[reservation.stream_key]
             self._state.ledger.tenant(stream.ticket.tenant).settle(reservation.stream_key, used_tokens, now)
-            self.metrics.open_streams.set(len(self._streams))
 
     def observe(self, pressure: Pressure, now: float) -> Sequence[Preemption]:
         with self._lock:
@@ -262,7 +261,6 @@ class MicroScheduler:
     def _release(self, stream: _Stream, now: float) -> None:
         del self._streams[stream.ticket.stream_key]
         self._state.ledger.tenant(stream.ticket.tenant).release(stream.ticket.stream_key, now)
-        self.metrics.open_streams.set(len(self._streams))
 
     def _shed_running(self, running: Sequence[RunningStream]) -> list[Preemption]:
         # streams settled since the server took its snapshot, or already preempted, are no longer candidates

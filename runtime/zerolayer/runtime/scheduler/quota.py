@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Callable, ContextManager
 
@@ -280,9 +281,16 @@ def format_duration(seconds: float) -> str:
     """OpenAI's reset format: ``"250ms"``, ``"1.5s"``, ``"6m0s"``, ``"1h2m3s"``."""
     if seconds <= 0:
         return "0s"
-    if seconds < 1:
-        return f"{max(1, math.ceil(seconds * 1000))}ms"
-    seconds = math.ceil(seconds * 1000) / 1000
+    # The text depends only on the whole milliseconds (rounded up) and on which side of 1 s the value
+    # is: two x-ratelimit-reset headers per admission, mostly the same millisecond as the last ones.
+    return _format_ms(math.ceil(seconds * 1000), seconds < 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _format_ms(ms: int, under_a_second: bool) -> str:
+    if under_a_second:
+        return f"{max(1, ms)}ms"
+    seconds = ms / 1000
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     text = f"{secs:.3f}".rstrip("0").rstrip(".") + "s"

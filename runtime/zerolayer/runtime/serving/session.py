@@ -198,9 +198,8 @@ class StreamSession:
         prompt = await render_prompt(engine, request)
         self._check_context(request, max(p.token_count for p in prompt.each()))  # a batch: each prompt's own
         self.prompt_tokens = prompt.token_count
-        self.ticket = dataclasses.replace(self.ticket, model=request.model, priority=priority,
-                                          prompt_tokens=prompt.token_count,
-                                          max_tokens=request.max_tokens * request.choice_count)  # one output per choice
+        self.ticket = self.ticket.sized(request.model, priority, prompt.token_count,
+                                        request.max_tokens * request.choice_count)  # one output per choice
         admission = table.scheduler.admit(self.ticket, table.clock(), stage="body")
         if not admission.admitted:
             self.reservation = None  # the scheduler released the HEADERS reservation itself
