@@ -353,3 +353,21 @@ def test_anthropic_thinking_blocks_in_history_reach_the_template_and_redacted_on
         parse([{"type": "redacted_thinking", "data": "xyz"}])
     with pytest.raises(RequestRefused, match="thinking: required string"):
         parse([{"type": "thinking", "signature": "sig"}])
+
+
+def test_a_masked_token_logprob_is_answered_as_vllm_serve_does():
+    """-inf (a token the sampler masked) is not JSON; vllm serve answers max(logprob, -9999.0)."""
+    from types import SimpleNamespace
+
+    from zerolayer.runtime.engine.vllm_engine import MIN_LOGPROB, token_logprobs
+
+    def lp(logprob, rank, text):
+        return SimpleNamespace(logprob=logprob, rank=rank, decoded_token=text)
+
+    completion = SimpleNamespace(token_ids=[7], logprobs=[{7: lp(float("-inf"), 2, "b"), 3: lp(-0.5, 1, "a")}])
+    (only,) = token_logprobs(completion, 2)
+    assert only.logprob == MIN_LOGPROB == -9999.0
+    assert only.top == (("a", -0.5), ("b", -9999.0))
+    body = OPENAI.completion(StreamFrame("chatcmpl_1", 0, openai.parse(chat_body(logprobs=True, top_logprobs=2))),
+                             [Choice(0, "b", "stop", tokens=1, logprobs=(only,))], 1, 1)
+    assert b"Infinity" not in body and json.loads(body)["choices"][0]["logprobs"]["content"][0]["logprob"] == -9999.0

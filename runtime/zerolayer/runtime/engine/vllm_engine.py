@@ -812,14 +812,21 @@ def delta_of(completion: Any, logprobs: int | None) -> Delta:
                  token_ids=tuple(completion.token_ids))
 
 
+#: The lowest logprob answered: a token the sampler masked has -inf, which JSON cannot carry. vllm serve
+#: answers ``max(logprob, -9999.0)`` (its chat and completions serving); so does the runtime.
+MIN_LOGPROB = -9999.0
+
+
 def token_logprobs(completion: Any, top: int) -> tuple[TokenLogprob, ...]:
     """vLLM's per-position ``{token id: Logprob}`` maps (the top ``top`` by rank, plus the sampled
-    token wherever it ranks) as one :class:`TokenLogprob` per sampled token."""
+    token wherever it ranks) as one :class:`TokenLogprob` per sampled token, each logprob at least
+    :data:`MIN_LOGPROB`."""
     out = []
     for token_id, position in zip(completion.token_ids, completion.logprobs or ()):
         sampled = position[token_id]
         ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top),
                         key=lambda lp: lp.rank)[:top]
-        out.append(TokenLogprob(sampled.decoded_token or "", float(sampled.logprob),
-                                tuple((lp.decoded_token or "", float(lp.logprob)) for lp in ranked)))
+        out.append(TokenLogprob(sampled.decoded_token or "", max(float(sampled.logprob), MIN_LOGPROB),
+                                tuple((lp.decoded_token or "", max(float(lp.logprob), MIN_LOGPROB))
+                                      for lp in ranked)))
     return tuple(out)
