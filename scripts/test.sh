@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec python3 -m pytest -q "$@"
+exec python3 -m pytest -q --durations=30 "$@"
