@@ -13,10 +13,11 @@ from zerolayer.runtime.scheduler.api import TenantPolicy, Ticket
 from zerolayer.runtime.scheduler.board import BoardFull, QuotaBoard, SharedQuotaLedger
 
 
-def scheduler(board: QuotaBoard, index: int, **limits: int) -> MicroScheduler:
+def scheduler(board: QuotaBoard, index: int, cls: type[MicroScheduler] = MicroScheduler,
+              **limits: int) -> MicroScheduler:
     config = SchedulerConfig()
     ledger = SharedQuotaLedger(board, index, config.quota_window_s, config.concurrency_retry_after_s)
-    micro = MicroScheduler(config, ledger=ledger)
+    micro = cls(config, ledger=ledger)
     micro.set_tenants({"acme": TenantPolicy("acme", **limits)})
     return micro
 
@@ -118,9 +119,7 @@ class _Interleaved(MicroScheduler):
 
 def test_the_quota_is_decided_again_under_the_lock_when_another_process_charged_meanwhile() -> None:
     board = QuotaBoard.create(2)
-    config = SchedulerConfig()
-    a = _Interleaved(config, ledger=SharedQuotaLedger(board, 0, config.quota_window_s, config.concurrency_retry_after_s))
-    a.set_tenants({"acme": TenantPolicy("acme", max_concurrent_streams=1, tokens_per_minute=100)})
+    a = scheduler(board, 0, _Interleaved, max_concurrent_streams=1, tokens_per_minute=100)
     b = scheduler(board, 1, max_concurrent_streams=1, tokens_per_minute=100)
     seen = []
     a.meanwhile = lambda: seen.append(b.admit(ticket("b1"), 1.0))  # a's chain saw 0 open streams
@@ -132,9 +131,7 @@ def test_the_quota_is_decided_again_under_the_lock_when_another_process_charged_
 
 def test_a_body_stage_resize_is_decided_again_under_the_lock() -> None:
     board = QuotaBoard.create(2)
-    config = SchedulerConfig()
-    a = _Interleaved(config, ledger=SharedQuotaLedger(board, 0, config.quota_window_s, config.concurrency_retry_after_s))
-    a.set_tenants({"acme": TenantPolicy("acme", max_concurrent_streams=4, tokens_per_minute=100)})
+    a = scheduler(board, 0, _Interleaved, max_concurrent_streams=4, tokens_per_minute=100)
     b = scheduler(board, 1, max_concurrent_streams=4, tokens_per_minute=100)
     assert a.admit(ticket("a1", 20), 1.0).admitted  # 40 reserved at HEADERS
     seen = []

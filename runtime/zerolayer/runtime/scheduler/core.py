@@ -19,8 +19,8 @@ from .api import Admission, Preemption, Pressure, Reservation, RunningStream, Te
 from .running import LocalRunning, RunningView
 from .config import SchedulerConfig, SchedulerError
 from .metrics import SchedulerMetrics
-from .plugins import (AdmissionContext, QuotaFilter, Refusal, SharedState, build_filters, build_ordering,
-                      build_victim_picker)
+from .plugins import (AdmissionContext, Filter, OrderingPolicy, QuotaFilter, Refusal, SharedState, VictimPicker,
+                      build_filters, build_ordering, build_victim_picker)
 from .pressure import SHED_CLASSES, PressureGate, Projection
 from .quota import QuotaLedger, retry_after_header
 
@@ -31,6 +31,15 @@ STAGES = ("headers", "body")
 class _Stream:
     ticket: Ticket
     reservation: Reservation
+
+
+def _plugins(state: SharedState, config: SchedulerConfig
+             ) -> tuple[list[Filter], QuotaFilter | None, OrderingPolicy, VictimPicker]:
+    """The plugins ``config`` names, reading ``state``: the filter chain, its quota filter when it has one
+    (decided again under a node-wide ledger's lock, :meth:`MicroScheduler._charge`), ordering, victim picker."""
+    filters = build_filters(state, config.filters)
+    quota = next((f for f in filters if isinstance(f, QuotaFilter)), None)
+    return filters, quota, build_ordering(state, config.ordering), build_victim_picker(state, config.victims)
 
 
 class MicroScheduler:
@@ -62,11 +71,7 @@ class MicroScheduler:
             ledger = QuotaLedger(self.config.quota_window_s, self.config.concurrency_retry_after_s)
         self._state = SharedState(self.config, PressureGate.from_config(self.config), ledger,
                                   Projection(self.config.kv_capacity_tokens))
-        self._filters = build_filters(self._state)
-        # The quota filter of the chain, when it has one: decided again under a node-wide ledger's lock (_charge).
-        self._quota = next((f for f in self._filters if isinstance(f, QuotaFilter)), None)
-        self._ordering = build_ordering(self._state)
-        self._victims = build_victim_picker(self._state)
+        self._filters, self._quota, self._ordering, self._victims = _plugins(self._state, self.config)
         self._lock = threading.Lock()
         self._tenants: dict[str, TenantPolicy] = dict(tenants or {})
         self._streams: dict[str, _Stream] = {}
@@ -115,16 +120,13 @@ class MicroScheduler:
                     and self.config.adopt_engine_kv_capacity):
                 config = dataclasses.replace(config, kv_capacity_tokens=self.config.kv_capacity_tokens)
             state = self._state
-            plugins = (config.filters, config.ordering, config.victims)
-            rebuilt = plugins != (self.config.filters, self.config.ordering, self.config.victims)
-            if rebuilt:  # built before anything changes: a bad name leaves everything as it was
-                filters = build_filters(state, config.filters)
-                ordering = build_ordering(state, config.ordering)
-                victims = build_victim_picker(state, config.victims)
+            named = (config.filters, config.ordering, config.victims)
+            # built before anything changes: a bad name leaves everything as it was
+            plugins = (_plugins(state, config) if named != (self.config.filters, self.config.ordering,
+                                                            self.config.victims) else None)
             self.config = state.config = config
-            if rebuilt:
-                self._filters, self._ordering, self._victims = filters, ordering, victims
-                self._quota = next((f for f in filters if isinstance(f, QuotaFilter)), None)
+            if plugins is not None:
+                self._filters, self._quota, self._ordering, self._victims = plugins
             state.gate.retune(config)
             state.projection.capacity_tokens = config.kv_capacity_tokens
             state.ledger.retune(config.quota_window_s, config.concurrency_retry_after_s)
