@@ -52,7 +52,8 @@ class Ticket:
 
     def sized(self, model: str, priority: Priority, prompt_tokens: int, max_tokens: int) -> "Ticket":
         """This stream's ticket once its body is read (``admit(stage="body")``): ``dataclasses.replace``
-        with these four, built directly (it runs per request; ``replace`` costs about 3x as much)."""
+        with these four, built directly (it runs per request; ``replace`` costs about twice as much,
+        ``bench/percall_micro.py``)."""
         return Ticket(self.stream_key, self.tenant, priority, model, prompt_tokens, max_tokens, self.deadline,
                       self.session, self.arrived)
 

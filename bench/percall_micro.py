@@ -1,0 +1,57 @@
+"""In-process cost of two per-request steps, before and after issue 29's cuts, side by side.
+
+* ``dumps``: a non-streamed chat completion's body encoded by the runtime's ``api/common.py:dumps``
+  (orjson) against the standard library's encoder that ``dumps`` used before (and still falls back to);
+* ``Ticket.sized``: the body-stage ticket built directly, against ``dataclasses.replace``.
+
+Best of ``--rounds`` timings of ``--n`` calls each; prints µs per call and the ratio.
+
+    python3 bench/percall_micro.py [--n 100000] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import timeit
+
+from zerolayer.contract import Priority
+from zerolayer.runtime.api import common
+from zerolayer.runtime.scheduler import Ticket
+
+ANSWER = {"id": "chatcmpl_0123456789abcdef01234567", "object": "chat.completion", "created": 1765000000,
+          "model": "synthetic", "choices": [{"index": 0, "message": {
+              "role": "assistant", "content": "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod "
+                                              "tempor incididunt ut labore et", "refusal": None, "tool_calls": []},
+              "logprobs": None, "finish_reason": "length"}],
+          "usage": {"prompt_tokens": 12, "completion_tokens": 16, "total_tokens": 28}, "system_fingerprint": None}
+TICKET = Ticket("7/1", "bench", Priority.NORMAL, "synthetic", 10, 0, None, None, 1.0)
+
+
+def best_us(fn, n: int, rounds: int) -> float:  # type: ignore[no-untyped-def]
+    return min(timeit.repeat(fn, number=n, repeat=rounds)) / n * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=100000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    assert common.dumps(ANSWER) == common._ENCODER.encode(ANSWER).encode()  # the same bytes either way
+    rows = [
+        ("dumps (orjson)", "stdlib JSONEncoder", lambda: common.dumps(ANSWER),
+         lambda: common._ENCODER.encode(ANSWER).encode()),
+        ("Ticket.sized", "dataclasses.replace", lambda: TICKET.sized("synthetic", Priority.HIGH, 12, 16),
+         lambda: dataclasses.replace(TICKET, model="synthetic", priority=Priority.HIGH, prompt_tokens=12,
+                                     max_tokens=16)),
+    ]
+    print(f"{'step':<16} {'us/call':>8}   {'before':<20} {'us/call':>8}   after/before")
+    for name, before_name, after, before in rows:
+        a, b = best_us(after, args.n, args.rounds), best_us(before, args.n, args.rounds)
+        print(f"{name:<16} {a:8.2f}   {before_name:<20} {b:8.2f}   {a / b:.2f}x")
+    print(f"command: python3 bench/percall_micro.py --n {args.n} --rounds {args.rounds}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
