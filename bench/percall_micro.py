@@ -1,8 +1,11 @@
-"""In-process cost of two per-request steps, before and after issue 29's cuts, side by side.
+"""In-process cost of per-request steps, before and after issue 29's cuts, side by side.
 
 * ``dumps``: a non-streamed chat completion's body encoded by the runtime's ``api/common.py:dumps``
   (orjson) against the standard library's encoder that ``dumps`` used before (and still falls back to);
-* ``Ticket.sized``: the body-stage ticket built directly, against ``dataclasses.replace``.
+* ``Ticket.sized``: the body-stage ticket built directly, against ``dataclasses.replace``;
+* a ``Ticket`` built: the slotted dataclass it is now, against the same fields as the frozen dataclass
+  it was (every object a request builds was one; a frozen one sets each field through
+  ``object.__setattr__``).
 
 Best of ``--rounds`` timings of ``--n`` calls each; prints µs per call and the ratio.
 
@@ -26,6 +29,9 @@ ANSWER = {"id": "chatcmpl_0123456789abcdef01234567", "object": "chat.completion"
               "logprobs": None, "finish_reason": "length"}],
           "usage": {"prompt_tokens": 12, "completion_tokens": 16, "total_tokens": 28}, "system_fingerprint": None}
 TICKET = Ticket("7/1", "bench", Priority.NORMAL, "synthetic", 10, 0, None, None, 1.0)
+FrozenTicket = dataclasses.make_dataclass(  # Ticket's fields as the frozen dataclass it was before
+    "FrozenTicket", [(f.name, f.type, f.default) if f.default is not dataclasses.MISSING else (f.name, f.type)
+                     for f in dataclasses.fields(Ticket)], frozen=True)
 
 
 def best_us(fn, n: int, rounds: int) -> float:  # type: ignore[no-untyped-def]
@@ -44,6 +50,8 @@ def main() -> int:
         ("Ticket.sized", "dataclasses.replace", lambda: TICKET.sized("synthetic", Priority.HIGH, 12, 16),
          lambda: dataclasses.replace(TICKET, model="synthetic", priority=Priority.HIGH, prompt_tokens=12,
                                      max_tokens=16)),
+        ("Ticket(...)", "frozen dataclass", lambda: Ticket("7/1", "bench", Priority.NORMAL, "synthetic", 10, 0, None),
+         lambda: FrozenTicket("7/1", "bench", Priority.NORMAL, "synthetic", 10, 0, None)),
     ]
     print(f"{'step':<16} {'us/call':>8}   {'before':<20} {'us/call':>8}   after/before")
     for name, before_name, after, before in rows:

@@ -5,7 +5,10 @@ each test pins the cheaper way and that the answer, the parsed request and the e
 * ``dumps`` reuses one encoder (``json.dumps`` with options builds a ``JSONEncoder`` per call);
 * ``parse_contract`` skips the header-by-header parse when no contract header is present;
 * the gate reads ``traceparent`` once and builds one ``Accept`` per admitted chat request (the
-  application opened the session and wrapped it in a second one).
+  application opened the session and wrapped it in a second one);
+* the objects every request builds are slotted dataclasses, not frozen ones (a frozen one sets each
+  field through ``object.__setattr__``: a ``Ticket`` took 1.09 µs to build frozen, 0.26 µs slotted,
+  ``python3 bench/percall_micro.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,13 @@ from zerolayer.runtime.api import common, openai
 from zerolayer.runtime.engine.synthetic import SyntheticEngine
 from zerolayer.runtime.errors import RequestRefused
 from zerolayer.runtime.limits import Limits
-from zerolayer.runtime.protocol.events import Accept, RequestHead
+from zerolayer.runtime.api.common import Choice
+from zerolayer.runtime.api.wire import StreamFrame
+from zerolayer.runtime.engine.base import ChatMessage, Prompt
+from zerolayer.runtime.protocol.events import Accept, RequestHead, RequestReady
 from zerolayer.runtime.scheduler import MicroScheduler, SchedulerConfig, TenantPolicy
+from zerolayer.runtime.scheduler.api import Admission, Reservation, Ticket
+from zerolayer.runtime.scheduler.plugins import AdmissionContext
 from zerolayer.runtime.serving import app as app_module
 from zerolayer.runtime.serving import gate as gate_module
 from zerolayer.runtime.serving import headers as headers_module
@@ -275,3 +283,21 @@ def test_the_parsed_chat_request_is_unchanged_by_the_cheaper_json():
 def test_default_terms_keep_the_priority_object_they_were_given():
     assert type(parse_contract(PLAIN, NOW, WALL_NS, (), Priority.NORMAL).priority) is Priority
     assert type(parse_contract(PLAIN, NOW, WALL_NS, (), 1).priority) is int  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------- objects per request
+PER_REQUEST = (RequestHead, Accept, RequestReady, Admitted, Ticket, AdmissionContext, Reservation, Admission,
+               ChatMessage, Prompt, StreamFrame, Choice)
+
+
+@pytest.mark.parametrize("cls", PER_REQUEST, ids=lambda c: c.__name__)
+def test_objects_built_per_request_are_slotted_not_frozen(cls):
+    assert "__slots__" in cls.__dict__ and not cls.__dataclass_params__.frozen
+
+
+def test_objects_built_per_request_still_compare_by_value():
+    ticket = Ticket("1/3", "acme", Priority.NORMAL, "m", 10, 16, None)
+    assert ticket.sized("m", Priority.HIGH, 12, 16) == Ticket("1/3", "acme", Priority.HIGH, "m", 12, 16, None)
+    assert Prompt("a b", (1, 2)) == Prompt("a b", (1, 2)) and Prompt("a b", (1, 2)) != Prompt("a b", (1, 3))
+    with pytest.raises(AttributeError):  # slotted: a misspelt field is an error, not a new attribute
+        ticket.prompt_token = 3  # type: ignore[attr-defined]

@@ -80,7 +80,7 @@ class ChatRequest:
             final_only=not self.stream, **(self.vllm_sampling or {}))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class Choice:
     """One finished completion, as both APIs' response builders take it. ``finish`` is the engine's
     reason (``stop``/``length``/``abort``); ``stop_sequence`` the stop string that ended it, if one did."""

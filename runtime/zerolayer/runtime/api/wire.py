@@ -42,7 +42,7 @@ class StreamTally:
         return self.output_tokens[index]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class StreamFrame:
     """What stays the same for every event of one answer (and the blocks it opened, see
     :class:`ContentBlocks`)."""

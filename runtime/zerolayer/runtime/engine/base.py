@@ -52,7 +52,7 @@ class ToolUse:
     parallel: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class ChatMessage:
     """One turn. ``role``: "system" | "user" | "assistant" | "tool", or a custom role the chat template
     takes (vLLM's). An assistant turn may carry the calls it made; a tool turn answers the call
@@ -66,7 +66,7 @@ class ChatMessage:
     reasoning: str | None = None  # an assistant turn's earlier reasoning (vLLM's field), for the template
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class Prompt:
     """A chat rendered by the model's template, ready to generate from."""
 

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Sequence, Union
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class RequestHead:
     stream_id: int
     method: str
@@ -24,7 +24,7 @@ class RequestHead:
     http_version: str = "2"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class Accept:
     max_body: int
     context: Any = None  # opaque to the core, handed back in RequestReady
@@ -42,7 +42,7 @@ Verdict = Union[Accept, Reject]
 Gate = Callable[[RequestHead], Verdict]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class RequestReady:
     """An accepted request whose body is complete."""
 

@@ -25,7 +25,7 @@ from .pressure import PressureGate, Projection
 from .quota import QuotaLedger
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class AdmissionContext:
     """Everything a filter may look at for one admission decision."""
 

@@ -67,7 +67,7 @@ ROUTES: dict[str, Route] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # slotted, not frozen: built per request (see engine.base.Delta)
 class Admitted:
     """What the gate decided for an accepted request (``Accept.context``)."""
 
