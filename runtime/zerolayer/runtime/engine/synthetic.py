@@ -47,6 +47,10 @@ _WORDS = (
     "zero layer stream token header tenant session priority deadline engine cache memory "
     "node cluster quota budget admit refuse settle observe sample pressure window frame"
 ).split()
+# The word each hash byte picks, as a first piece and (with its leading space) as any later one: an
+# answer is read off these tables per token instead of being computed.
+_FIRST_BY_BYTE = tuple(_WORDS[b % len(_WORDS)] for b in range(256))
+_LATER_BY_BYTE = tuple(" " + word for word in _FIRST_BY_BYTE)
 
 
 class SyntheticEngine:
@@ -124,7 +128,7 @@ class SyntheticEngine:
 
     @staticmethod
     def _prompt(text: str) -> Prompt:
-        return Prompt(text=text, token_ids=tuple(_token_id(w) for w in text.split()))
+        return Prompt(text=text, token_ids=tuple(map(_token_id, text.split())))
 
     def parse_tool_calls(self, text: str, tools: ToolUse) -> tuple[str, tuple[ToolCall, ...]]:
         if tools.choice in ("required", "function"):
@@ -174,7 +178,8 @@ class SyntheticEngine:
             held = self._held
             pace = 1.0 / self.tokens_per_second if self.tokens_per_second else 0.0
             if options.final_only:
-                async for delta in self._whole(outputs, longest, pace, logprobs, request_id):
+                done, first = await self._steps(outputs, longest, pace, request_id)
+                for delta in self._whole(outputs, longest, done, first, logprobs):
                     yield delta
                 return
             for step in range(longest):
@@ -200,34 +205,41 @@ class SyntheticEngine:
             self._made.pop(request_id, None)
             self._aborted.discard(request_id)
 
-    async def _whole(self, outputs: list[tuple[list[str], str, str | None]], longest: int, pace: float,
-                     logprobs: int | None, request_id: str) -> AsyncIterator[Delta]:
-        """``final_only``: the same steps, paced and abortable, then each completion as one delta (an
-        abort gives what each had so far, finish ``abort``)."""
-        held, first, done = self._held, None, longest
+    async def _steps(self, outputs: list[tuple[list[str], str, str | None]], longest: int, pace: float,
+                     request_id: str) -> tuple[int, float | None]:
+        """``final_only``: the same steps as a streamed answer, paced and abortable; returns how many ran
+        (``longest`` unless aborted) and when the first token was made. A coroutine, not a generator:
+        nothing is yielded until the end (:meth:`_whole`)."""
+        held = self._held
         if not pace and request_id not in self._aborted:  # nothing to wait for: no step can see an abort
-            first = time.monotonic()
             held[request_id] += sum(len(words) for words, _, _ in outputs)
-        else:
-            made = self._made
-            made[request_id] = 0
-            for step in range(longest):
-                if request_id in self._aborted:
-                    done = step
-                    break
-                if step:
-                    await asyncio.sleep(pace)
-                if first is None:
-                    first = time.monotonic()
-                tokens = sum(step < len(words) for words, _, _ in outputs)
-                held[request_id] += tokens
-                made[request_id] += tokens
+            return longest, time.monotonic()
+        made, first = self._made, None
+        made[request_id] = 0
+        for step in range(longest):
+            if request_id in self._aborted:
+                return step, first
+            if step:
+                await asyncio.sleep(pace)
+            if first is None:
+                first = time.monotonic()
+            tokens = sum(step < len(words) for words, _, _ in outputs)
+            held[request_id] += tokens
+            made[request_id] += tokens
+        return longest, first
+
+    def _whole(self, outputs: list[tuple[list[str], str, str | None]], longest: int, done: int,
+               first: float | None, logprobs: int | None) -> list[Delta]:
+        """``final_only``: each completion as one delta once ``done`` steps ran (an abort gives what
+        each had so far, finish ``abort``)."""
+        out = []
         for i, (words, finish, stop) in enumerate(outputs):
             if done < longest:
                 words, finish, stop = words[:done], "abort", None
-            yield Delta("".join(words), len(words), finish, i, stop,
-                        tuple(self._logprob(w, logprobs) for w in words) if logprobs is not None else (),
-                        tuple(_token_id(w) for w in words), first_token_at=first if words else None)
+            out.append(Delta("".join(words), len(words), finish, i, stop,
+                             tuple(self._logprob(w, logprobs) for w in words) if logprobs is not None else (),
+                             tuple(map(_token_id, words)), first_token_at=first if words else None))
+        return out
 
     def tokens_so_far(self, request_id: str) -> int:
         return self._made.get(request_id, 0)
@@ -250,7 +262,10 @@ class SyntheticEngine:
             # (and min_tokens holds it off, as vLLM holds off the end-of-sequence token)
             count = options.max_tokens if options.ignore_eos else \
                 min(options.max_tokens, max(self.output_tokens, options.min_tokens))
-            pieces = [(" " if i else "") + _WORDS[digest[i % len(digest)] % len(_WORDS)] for i in range(count)]
+            size = len(digest)
+            pieces = [_LATER_BY_BYTE[digest[i % size]] for i in range(count)]
+            if pieces:
+                pieces[0] = _FIRST_BY_BYTE[digest[0]]
         if not any(options.stop):  # nothing to cut at: the common case, without the per-piece scan
             kept = pieces[:options.max_tokens]
             finish = "length" if len(kept) < len(pieces) or (schema is None and len(kept) >= options.max_tokens) \
