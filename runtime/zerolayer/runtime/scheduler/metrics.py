@@ -21,6 +21,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from zerolayer.contract import Priority
+from zerolayer.runtime.counting import PendingIncrements
 
 #: 10 µs .. 1 s: the interesting range is far below the reference's 3.2 ms.
 REACTION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
@@ -35,6 +36,7 @@ class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, keep_samples: int = 10_000) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._pending = PendingIncrements(r)  # before the counters it feeds (see counting.py)
         self.admitted = Counter("zerolayer_scheduler_admitted", "Streams admitted, by priority and stage",
                                 ["priority", "stage"], registry=r)
         self.refused = Counter("zerolayer_scheduler_refused", "Streams refused at admission, by reason and priority",
@@ -72,7 +74,7 @@ class SchedulerMetrics:
         child = self._admitted_children.get((priority, stage))  # twice per request: its child, looked up once
         if child is None:
             child = self._admitted_children[(priority, stage)] = self.admitted.labels(_p(priority), stage)
-        child.inc()
+        self._pending.add(child)  # counted at the next read of the registry (counting.py)
 
     def count_refused(self, reason: str, priority: Priority, code: str) -> None:
         self.refused.labels(reason, _p(priority), code).inc()

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from zerolayer.runtime.counting import PendingIncrements
 from zerolayer.runtime.engine.base import EngineStats
 from zerolayer.runtime.gpu.api import GpuReading
 from zerolayer.runtime.limits import Limits
@@ -84,6 +85,7 @@ class RuntimeMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._pending = PendingIncrements(r)  # before the counters it feeds (see counting.py)
         self.requests = Counter("zerolayer_requests", "Requests answered, by route and HTTP status.",
                                 ["route", "status"], registry=r)
         self.refusals = Counter("zerolayer_refusals", "Requests refused with a contract error before any output.",
@@ -118,12 +120,12 @@ class RuntimeMetrics:
                 self.limit_hits.labels(name)
 
     # Label children cached by value: ``labels()`` takes a lock and builds a key on every call,
-    # and these are counted on every request.
+    # and these are counted on every request; their increments wait for the next read (counting.py).
     def count_request(self, route: str, status: int) -> None:
         child = self._request_children.get((route, status))
         if child is None:
             child = self._request_children[(route, status)] = self.requests.labels(route, str(status))
-        child.inc()
+        self._pending.add(child)
 
     def count_tokens(self, tenant: str, kind: str, n: int) -> None:
         child = self._token_children.get((tenant, kind))
@@ -131,7 +133,7 @@ class RuntimeMetrics:
             if len(self._token_children) > 4096:  # tenants come and go with config: keep it bounded
                 self._token_children.clear()
             child = self._token_children[(tenant, kind)] = self.tokens.labels(tenant, kind)
-        child.inc(n)
+        self._pending.add(child, n)
 
     def watch_engine(self, stats: Callable[[], Sequence[tuple[str, EngineStats]]]) -> None:
         """Collect the ``vllm:*`` gauges from ``stats`` (an engine's ``model_stats``) at scrape time."""

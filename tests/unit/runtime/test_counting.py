@@ -1,0 +1,55 @@
+"""Per-request counter increments wait in :class:`PendingIncrements` until the registry is read (issue 29):
+every reader sees them, and the exposition is what ``child.inc`` gave."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from zerolayer.contract import Priority
+from zerolayer.runtime.counting import PendingIncrements
+from zerolayer.runtime.scheduler.metrics import SchedulerMetrics
+from zerolayer.runtime.serving.metrics import RuntimeMetrics
+
+
+def test_increments_reach_every_reader_of_the_registry():
+    registry = CollectorRegistry(auto_describe=True)
+    pending = PendingIncrements(registry)
+    hits = Counter("hits", "Hits.", ["kind"], registry=registry)
+    a, b = hits.labels("a"), hits.labels("b")
+    for _ in range(3):
+        pending.add(a)
+    pending.add(b, 2.5)
+    assert a._value.get() == 0  # not yet: moved in when the registry is read
+    assert registry.get_sample_value("hits_total", {"kind": "a"}) == 3
+    pending.add(a)
+    page = generate_latest(registry).decode()
+    assert 'hits_total{kind="a"} 4.0' in page and 'hits_total{kind="b"} 2.5' in page
+    assert registry.get_sample_value("hits_total", {"kind": "a"}) == 4  # moved once, not twice
+
+
+def test_the_same_page_as_incrementing_at_once():
+    def page(deferred: bool) -> bytes:
+        metrics = RuntimeMetrics()
+        if not deferred:
+            metrics._pending.add = lambda child, amount=1.0: child.inc(amount)  # type: ignore[method-assign]
+        for status in (200, 200, 429):
+            metrics.count_request("chat", status)
+        metrics.count_tokens("acme", "prompt", 12)
+        metrics.count_tokens("acme", "completion", 16)
+        metrics.count_tokens("acme", "completion", 4)
+        return b"\n".join(line for line in metrics.render().splitlines() if b"_created" not in line)
+
+    assert page(deferred=True) == page(deferred=False)
+    metrics = RuntimeMetrics()
+    metrics.count_tokens("acme", "completion", 16)
+    assert metrics.value("zerolayer_tokens_total", tenant="acme", kind="completion") == 16
+
+
+def test_scheduler_admissions_are_counted_when_read():
+    metrics = SchedulerMetrics()
+    metrics.count_admitted(Priority.HIGH, "headers")
+    metrics.count_admitted(Priority.HIGH, "body")
+    metrics.count_admitted(Priority.HIGH, "body")
+    value = metrics.registry.get_sample_value
+    assert value("zerolayer_scheduler_admitted_total", {"priority": "high", "stage": "body"}) == 2
+    assert value("zerolayer_scheduler_admitted_total", {"priority": "high", "stage": "headers"}) == 1
