@@ -23,9 +23,9 @@ _REQUEST: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar
 
 def bind_request(**fields: str | None) -> None:
     """Add ``fields`` (None values left out) to the current task's request context."""
-    current = dict(_REQUEST.get() or {})
-    current.update((k, v) for k, v in fields.items() if v is not None)
-    _REQUEST.set(current)
+    current = _REQUEST.get()
+    bound = {k: v for k, v in fields.items() if v is not None}
+    _REQUEST.set({**current, **bound} if current else bound)  # a new dict: another task may hold the old one
 
 
 class JsonFormatter(logging.Formatter):

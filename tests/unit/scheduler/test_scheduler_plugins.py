@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 from scheduler_factories import pressure, running, ticket
 from zerolayer.contract import ErrorCode, Priority
 from zerolayer.runtime.scheduler import PressureGate, SchedulerConfig, SchedulerConfigError, TenantPolicy
-from zerolayer.runtime.scheduler.plugins import (FILTERS, ORDERINGS, VICTIM_PICKERS, AdmissionContext,
+from zerolayer.runtime.scheduler.plugins import (CLASS_STRIDE, FILTERS, ORDERINGS, VICTIM_PICKERS, AdmissionContext,
                                                  SharedState, build_filters)
 from zerolayer.runtime.scheduler.quota import QuotaLedger
 
@@ -128,6 +131,24 @@ def test_ordering_policies(name, tickets_in_engine_order):
 def test_class_ordering_is_vllm_convention():
     policy = ORDERINGS["priority-class"](state())
     assert [policy.engine_priority(ticket(p)) for p in (H, N, L)] == [0, 1, 2]
+
+
+
+def _earliest_rank(deadline, arrived, fairness):  # the rank as the ordering documents it, written plainly
+    candidates = [d for d in (deadline,) if d is not None and math.isfinite(d)]
+    if arrived is not None and math.isfinite(arrived):
+        candidates.append(arrived + fairness)
+    return min(CLASS_STRIDE - 1, max(0, int(min(candidates) * 1000))) if candidates else CLASS_STRIDE - 1
+
+
+@pytest.mark.parametrize("deadline", [None, 0.5, 12.0, 5000.0, math.inf, -math.inf, math.nan, -3.0])
+@pytest.mark.parametrize("arrived", [None, 0.0, 11.0, 4000.0, math.inf, math.nan])
+def test_deadline_ordering_ranks_by_the_earlier_of_deadline_and_fair_arrival(deadline, arrived):
+    s = state()
+    policy = ORDERINGS["priority-deadline"](s)
+    t = dataclasses.replace(ticket(N, deadline=deadline), arrived=arrived)
+    fairness = s.config.deadline_fairness_s
+    assert policy.engine_priority(t) == int(N) * CLASS_STRIDE + _earliest_rank(deadline, arrived, fairness)
 
 
 # ------------------------------------------------------------------ victims

@@ -247,15 +247,19 @@ class DeadlineOrdering:
         self._state = state
 
     def engine_priority(self, ticket: Ticket) -> int:
-        candidates = []
-        # A non-finite deadline ranks as none (the headers refuse them; this keeps the plugin total).
-        if ticket.deadline is not None and math.isfinite(ticket.deadline):
-            candidates.append(ticket.deadline)
-        if ticket.arrived is not None and math.isfinite(ticket.arrived):
-            candidates.append(ticket.arrived + self._state.config.deadline_fairness_s)
+        # The earlier of the deadline and arrival + fairness. A non-finite deadline ranks as none (the
+        # headers refuse them; this keeps the plugin total).
+        earliest = ticket.deadline
+        if earliest is not None and not math.isfinite(earliest):
+            earliest = None
+        arrived = ticket.arrived
+        if arrived is not None and math.isfinite(arrived):
+            arrived += self._state.config.deadline_fairness_s
+            if earliest is None or arrived < earliest:
+                earliest = arrived
         rank = CLASS_STRIDE - 1
-        if candidates:
-            rank = min(CLASS_STRIDE - 1, max(0, int(min(candidates) * 1000)))
+        if earliest is not None:
+            rank = min(CLASS_STRIDE - 1, max(0, int(earliest * 1000)))
         return int(ticket.priority) * CLASS_STRIDE + rank
 
 
