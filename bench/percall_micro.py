@@ -5,7 +5,9 @@
 * ``Ticket.sized``: the body-stage ticket built directly, against ``dataclasses.replace``;
 * a ``Ticket`` built: the slotted dataclass it is now, against the same fields as the frozen dataclass
   it was (every object a request builds was one; a frozen one sets each field through
-  ``object.__setattr__``).
+  ``object.__setattr__``);
+* a request id's random part: from the session's pooled ``os.urandom`` reads, against a
+  ``getrandom`` call per request.
 
 Best of ``--rounds`` timings of ``--n`` calls each; prints µs per call and the ratio.
 
@@ -16,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import timeit
 
 from zerolayer.contract import Priority
 from zerolayer.runtime.api import common
 from zerolayer.runtime.scheduler import Ticket
+from zerolayer.runtime.serving import session
 
 ANSWER = {"id": "chatcmpl_0123456789abcdef01234567", "object": "chat.completion", "created": 1765000000,
           "model": "synthetic", "choices": [{"index": 0, "message": {
@@ -52,6 +56,7 @@ def main() -> int:
                                      max_tokens=16)),
         ("Ticket(...)", "frozen dataclass", lambda: Ticket("7/1", "bench", Priority.NORMAL, "synthetic", 10, 0, None),
          lambda: FrozenTicket("7/1", "bench", Priority.NORMAL, "synthetic", 10, 0, None)),
+        ("request id hex", "os.urandom per call", session._RANDOM.hex12, lambda: os.urandom(12).hex()),
     ]
     print(f"{'step':<16} {'us/call':>8}   {'before':<20} {'us/call':>8}   after/before")
     for name, before_name, after, before in rows:

@@ -40,6 +40,32 @@ from zerolayer.runtime.tenants import Tenant
 log = logging.getLogger(__name__)
 
 
+class _RandomBytes:
+    """Request ids' random part: ``os.urandom`` read 4 KiB at a time, 12 bytes per id, instead of a
+    ``getrandom`` system call per request (issue 29; ``bench/percall_micro.py``). The pool is dropped
+    in a forked child, so two processes never hand out the same bytes."""
+
+    POOL = 4096
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._at = 0
+        os.register_at_fork(after_in_child=self._drop)
+
+    def _drop(self) -> None:
+        self._pool, self._at = b"", 0
+
+    def hex12(self) -> str:
+        at = self._at
+        if at + 12 > len(self._pool):
+            self._pool, at = os.urandom(self.POOL), 0
+        self._at = at + 12
+        return self._pool[at:at + 12].hex()
+
+
+_RANDOM = _RandomBytes()
+
+
 class TokenSink(Protocol):
     """Metering (e.g. :meth:`zerolayer.bpf.probes.TokenProbe.emit`): called right after tokens were
     handed to the transport for the client. Must not block."""
@@ -159,9 +185,9 @@ class StreamSession:
             self.trace.body = self.table.clock()
         # this task's log lines name the request (--log-format json); its copy of the context is its own
         bind_request(tenant=self.tenant.name, trace_id=f"{self.trace.trace_id:032x}" if self.trace else None)
-        task = asyncio.current_task()
-        if self.task is None:
-            self.task = task
+        task = self.task  # the transport attached the task running this (SessionTable.attach)
+        if task is None:
+            task = self.task = asyncio.current_task()
         try:
             await self._generate(channel, body)
         except RequestRefused as refused:
@@ -218,7 +244,7 @@ class StreamSession:
         if self.trace is not None:  # an engine with tracing of its own (vLLM) puts its spans under ours
             options = dataclasses.replace(options, traceparent=self.trace.traceresponse())
         self.final_only = options.final_only
-        request_id = f"{self.wire.id_prefix}_{os.urandom(12).hex()}"  # 24 hex digits, as uuid4().hex[:24] was
+        request_id = f"{self.wire.id_prefix}_{_RANDOM.hex12()}"  # 24 hex digits, as uuid4().hex[:24] was
         self.engine_request = request_id
         table.engine_requests_started += 1
         bind_request(request_id=request_id)
