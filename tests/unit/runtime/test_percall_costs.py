@@ -329,3 +329,50 @@ def test_a_forked_child_draws_other_request_ids_than_its_parent():
     os.waitpid(pid, 0)
     parent = "".join(ids.hex12() for _ in range(4))
     assert len(child) == len(parent) == 96 and child != parent
+
+
+# ---------------------------------------------------------------------------------------- sampling defaults
+class _Recording(dict):
+    """A JSON object that records every field read from it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def test_sampling_fields_name_every_field_the_full_read_reads():
+    body = _Recording(model="m", messages=[])
+    openai._sampling_given(body, "m")
+    assert body.read <= openai.SAMPLING_FIELDS
+    assert body.read == openai.SAMPLING_FIELDS  # and nothing listed that it does not read
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]},
+    {"model": "m", "messages": [], "metadata": None},
+])
+def test_a_body_without_sampling_fields_gets_what_the_full_read_gives(body):
+    fast = openai._sampling(body, "m")
+    assert fast == openai._sampling_given(body, "m") and fast["model"] == "m"
+    fast["stop"] = "changed"  # each request gets its own dict
+    assert openai._sampling(body, "m")["stop"] == openai._sampling_given(body, "m")["stop"]
+
+
+@pytest.mark.parametrize("field", sorted(openai.SAMPLING_FIELDS))
+def test_any_one_sampling_field_is_read_in_full(field, monkeypatch):
+    calls = []
+    monkeypatch.setattr(openai, "_sampling_given", lambda data, model: calls.append(field) or {})
+    openai._sampling({"model": "m", field: None}, "m")
+    assert calls == [field]

@@ -14,7 +14,7 @@ import pytest
 from scheduler_factories import scheduler, ticket
 from zerolayer.contract import RATELIMIT_HEADERS, ErrorCode, Priority
 from zerolayer.runtime.scheduler import TenantPolicy
-from zerolayer.runtime.scheduler.quota import format_duration, retry_after_header
+from zerolayer.runtime.scheduler.quota import QuotaLedger, format_duration, retry_after_header
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -237,3 +237,15 @@ def test_priority_of_tenant_has_no_effect_on_quota():
     sched = scheduler({"acme": TenantPolicy("acme", requests_per_minute=1)})
     assert sched.admit(ticket(Priority.HIGH), now=0.0).admitted
     assert not sched.admit(ticket(Priority.HIGH), now=1.0).admitted
+
+
+def test_reads_at_one_moment_expire_once_and_a_new_window_applies_at_once():
+    ledger = QuotaLedger(window_s=60.0)
+    tenant = ledger.tenant("acme")
+    tenant.charge("s1", 100, 0.0, new_request=True)
+    assert tenant.tokens_in_window(30.0) == 100 and tenant.requests_in_window(30.0) == 1
+    tenant.charge("s2", 50, 30.0, new_request=True)  # charged at the moment just read: inside a window > 0
+    assert tenant.tokens_in_window(30.0) == 150
+    ledger.retune(10.0, 1.0)  # shorter: s1 (at 0) has left the window at 30, though 30 was read already
+    assert tenant.tokens_in_window(30.0) == 50 and tenant.requests_in_window(30.0) == 1
+    assert tenant.tokens_in_window(40.0) == 0

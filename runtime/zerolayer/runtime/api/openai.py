@@ -172,7 +172,14 @@ def _model(data: dict[str, Any]) -> str:
 
 
 def _sampling(data: dict[str, Any], model: str) -> dict[str, Any]:
-    """The fields Chat Completions and Completions share."""
+    """The fields Chat Completions and Completions share. A body that gives none of them (an SDK sends
+    only what its caller set) takes the defaults, read once from :func:`_sampling_given`."""
+    if SAMPLING_FIELDS.isdisjoint(data):
+        return {**_SAMPLING_DEFAULTS, "model": model}
+    return _sampling_given(data, model)
+
+
+def _sampling_given(data: dict[str, Any], model: str) -> dict[str, Any]:
     priority = data.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise invalid("priority: must be an integer (lower runs first)")
@@ -237,6 +244,11 @@ def _vllm_sampling(data: dict[str, Any]) -> dict[str, Any] | None:
     return out or None
 
 
+#: Every field :func:`_sampling_given` reads (a test records them): a body with none takes the defaults.
+SAMPLING_FIELDS = frozenset({
+    "priority", "stream", "stream_options", "ignore_eos", "temperature", "top_p", "top_k", "stop", "seed", "n",
+    "presence_penalty", "frequency_penalty", "logit_bias", "user", "safety_identifier", "min_p",
+    "repetition_penalty", "min_tokens", "stop_token_ids", *_VLLM_FLAGS})
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
@@ -255,6 +267,9 @@ def _stream_options(value: Any, stream: bool) -> dict[str, Any]:
     if value and not stream:
         raise invalid("stream_options: only with stream: true")
     return value
+
+
+_SAMPLING_DEFAULTS = _sampling_given({}, "")  # what a body with none of SAMPLING_FIELDS gets (_sampling)
 
 
 # Template variables zerolayer sets itself from the request (vLLM refuses the first two as well).

@@ -65,9 +65,18 @@ class TenantLedger:
         self._requests: collections.deque[float] = collections.deque()
         self._tokens = 0
         self.open_streams: set[str] = set()
+        self._expired_at: float | None = None  # the last expire's time: an admission reads the ledger ~10 times at one
+
+    def set_window(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._expired_at = None
 
     # ------------------------------------------------------------------ reading
     def expire(self, now: float) -> None:
+        # At the same ``now`` nothing more can leave: a charge made since is at ``now``, inside a window > 0.
+        if now == self._expired_at:
+            return
+        self._expired_at = now
         horizon = now - self.window_s
         while self._charges and self._charges[0].at <= horizon:
             charge = self._charges.popleft()
@@ -179,7 +188,7 @@ class QuotaLedger:
         self.window_s = window_s
         self.concurrency_retry_after_s = concurrency_retry_after_s
         for ledger in self._tenants.values():
-            ledger.window_s = window_s
+            ledger.set_window(window_s)
 
     def tenants(self) -> set[str]:
         """Names of the tenants with a ledger (charged at least once)."""
