@@ -7,7 +7,9 @@
   it was (every object a request builds was one; a frozen one sets each field through
   ``object.__setattr__``);
 * a request id's random part: from the session's pooled ``os.urandom`` reads, against a
-  ``getrandom`` call per request.
+  ``getrandom`` call per request;
+* the sampling fields of a body that sets none of them (the bench's chat body): the defaults read
+  once, against the full read of every field.
 
 Best of ``--rounds`` timings of ``--n`` calls each; prints µs per call and the ratio.
 
@@ -22,7 +24,7 @@ import os
 import timeit
 
 from zerolayer.contract import Priority
-from zerolayer.runtime.api import common
+from zerolayer.runtime.api import common, openai
 from zerolayer.runtime.scheduler import Ticket
 from zerolayer.runtime.serving import session
 
@@ -32,6 +34,8 @@ ANSWER = {"id": "chatcmpl_0123456789abcdef01234567", "object": "chat.completion"
                                               "tempor incididunt ut labore et", "refusal": None, "tool_calls": []},
               "logprobs": None, "finish_reason": "length"}],
           "usage": {"prompt_tokens": 12, "completion_tokens": 16, "total_tokens": 28}, "system_fingerprint": None}
+CHAT = {"model": "synthetic", "max_tokens": 16,
+        "messages": [{"role": "user", "content": "what does a zero layer cost?"}]}  # the floor bench's body
 TICKET = Ticket("7/1", "bench", Priority.NORMAL, "synthetic", 10, 0, None, None, 1.0)
 FrozenTicket = dataclasses.make_dataclass(  # Ticket's fields as the frozen dataclass it was before
     "FrozenTicket", [(f.name, f.type, f.default) if f.default is not dataclasses.MISSING else (f.name, f.type)
@@ -57,6 +61,8 @@ def main() -> int:
         ("Ticket(...)", "frozen dataclass", lambda: Ticket("7/1", "bench", Priority.NORMAL, "synthetic", 10, 0, None),
          lambda: FrozenTicket("7/1", "bench", Priority.NORMAL, "synthetic", 10, 0, None)),
         ("request id hex", "os.urandom per call", session._RANDOM.hex12, lambda: os.urandom(12).hex()),
+        ("sampling fields", "full read", lambda: openai._sampling(CHAT, "synthetic"),
+         lambda: openai._sampling_given(CHAT, "synthetic")),
     ]
     print(f"{'step':<16} {'us/call':>8}   {'before':<20} {'us/call':>8}   after/before")
     for name, before_name, after, before in rows:
