@@ -87,6 +87,35 @@ class CpuMeter:
         return cpu_seconds(self.pids) - self.before
 
 
+class SplitCpuMeter:
+    """CPU seconds of a vLLM-backed server's tree between ``start()`` and ``stop()``, split in two: the
+    engine (the processes vLLM titles ``VLLM::EngineCore...`` and ``VLLM::Worker...``, the engine core
+    and the model executor's worker it starts; ``/proc/PID/comm`` keeps 15 bytes of a title) and the rest,
+    the front end (API processes, their helpers). The front end is the part a serving layer changes;
+    the engine core does the same model steps under any of them."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.groups: dict[str, list[int]] = {}
+        self.before: dict[str, float] = {}
+
+    @staticmethod
+    def _is_engine(pid: int) -> bool:
+        try:
+            return pathlib.Path(f"/proc/{pid}/comm").read_text().startswith(("VLLM::EngineCor", "VLLM::Worker"))
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        tree = process_tree(self.pid)
+        self.groups = {"engine": [p for p in tree if self._is_engine(p)],
+                       "front": [p for p in tree if not self._is_engine(p)]}
+        self.before = {k: cpu_seconds(v) for k, v in self.groups.items()}
+
+    def stop(self) -> dict[str, float]:
+        return {k: cpu_seconds(v) - self.before[k] for k, v in self.groups.items()}
+
+
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

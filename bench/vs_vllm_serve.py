@@ -28,10 +28,15 @@ can be off by 2x). Client: ``vllm bench serve --backend openai-chat
 --endpoint /v1/chat/completions --dataset-name random --random-input-len 64
 --random-output-len 32`` (streaming, the key as ``OPENAI_API_KEY``). Server CPU per request
 is the user+system time of each stack's whole process tree (API server and engine core; for
-LiteLLM, LiteLLM plus the vllm serve behind it) over the run ÷ completed requests.
+LiteLLM, LiteLLM plus the vllm serve behind it) over the run ÷ completed requests, and the front end's part of it:
+the same less the engine's processes (``VLLM::EngineCore``, ``VLLM::Worker``).
+
+With ``--ceiling`` each round ends with ``engine-only`` (bench/engine_ceiling.py): the same engine
+in-process with no server and no client process, the most any front end reaches on this machine; the
+report gives each stack's throughput as a share of it.
 
     python bench/vs_vllm_serve.py [--concurrency 1 4 16] [--prompts 64] [--rounds 3] [--native] [--litellm '']
-                                   [--api-processes 1 2]
+                                   [--api-processes 1 2] [--ceiling]
 """
 
 from __future__ import annotations
@@ -116,14 +121,16 @@ def bench_serve(port: int, concurrency: int, prompts: int, pid: int, pids_extra:
                str(min(concurrency, 4)), "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
                "--seed", "0", "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", tmp,
                "--result-filename", "r.json"]
-        meters = [benchlib.CpuMeter(p) for p in (pid, pids_extra) if p]
+        meters = [benchlib.SplitCpuMeter(p) for p in (pid, pids_extra) if p]
         env = {**os.environ, "OPENAI_API_KEY": benchlib.KEY}
         # The client imports vLLM for a while before it sends anything: start the meters late enough not to
         # matter (the servers are idle meanwhile) but before the first request.
         for m in meters:
             m.start()
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp, timeout=1800)
-        cpu = sum(m.stop() for m in meters)
+        split = [m.stop() for m in meters]
+        front = sum(s["front"] for s in split)
+        cpu = front + sum(s["engine"] for s in split)
         if done.returncode != 0 or not pathlib.Path(tmp, "r.json").exists():
             raise RuntimeError(f"vllm bench serve failed:\n{(done.stdout + done.stderr)[-3000:]}")
         result = json.loads(pathlib.Path(tmp, "r.json").read_text())
@@ -138,8 +145,26 @@ def bench_serve(port: int, concurrency: int, prompts: int, pid: int, pids_extra:
     out.update(first_token_metrics(result))
     out["server_cpu_s"] = cpu
     out["cpu_ms_per_req"] = cpu * 1000 / out["completed"] if out.get("completed") else None
+    out["front_cpu_ms_per_req"] = front * 1000 / out["completed"] if out.get("completed") else None
     out["command"] = " ".join(["vllm", *cmd[len(VLLM_CLI):]]).replace(str(MODEL_DIR), "MODEL").replace(
         f"--result-dir {tmp} ", "")
+    return out
+
+
+CEILING = "engine-only"
+
+
+def engine_only(concurrency: int, prompts: int) -> dict:
+    """One bench/engine_ceiling.py run in a process of its own: the engine with no server in front."""
+    cmd = [sys.executable, str(benchlib.HERE / "engine_ceiling.py"), "--concurrency", str(concurrency),
+           "--prompts", str(prompts), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=benchlib.HERE, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"engine_ceiling.py failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    out = json.loads(lines[-1])
+    out.update(p50_ttft_ms=out["p50_ttft_token_ms"], p50_tpot_token_ms=float("nan"),
+               command=" ".join(["python", "bench/engine_ceiling.py", *cmd[2:-1]]))
     return out
 
 
@@ -241,20 +266,23 @@ def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
         benchlib.machine_line(),
         "",
         f"{'conc':>4} {'stack':<15} {'done':>5} {'out tok':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'TPOT p50':>9} {'CPU ms/req':>10} {'1st-chunk p50':>13}",
+        f"{'TPOT p50':>9} {'CPU ms/req':>10} {'front ms/req':>12} {'1st-chunk p50':>13}",
     ]
     for c, rows in results.items():
         for name, r in rows.items():
             lines.append(f"{c:>4} {name:<15} {int(r['completed']):>5} {int(r['total_output_tokens']):>7} "
                          f"{r['output_throughput']:9.1f} {r['p50_ttft_token_ms']:9.1f} {r['p99_ttft_token_ms']:9.1f} "
-                         f"{r['p50_tpot_token_ms']:9.1f} {r['cpu_ms_per_req']:10.1f} {r['p50_ttft_ms']:13.1f}")
+                         f"{r['p50_tpot_token_ms']:9.1f} {r['cpu_ms_per_req']:10.1f} {r['front_cpu_ms_per_req']:12.1f} "
+                         f"{r['p50_ttft_ms']:13.1f}")
     lines += ["", "TTFT = to the first token's chunk; TPOT from it (see first_token_metrics). 1st-chunk p50 is what",
               "vllm bench serve itself prints as TTFT: the first SSE chunk, which the runtime sends (role only) when",
               "the stream is admitted and vLLM sends with the first token, so it flatters the runtime; not used below.",
+              "CPU ms/req is the whole server tree's CPU per completed request; front ms/req is that less the",
+              "engine (VLLM::EngineCore*, VLLM::Worker*): the API process(es), the part a serving layer changes.",
               "", "ratios zerolayer / other (out tok/s: >1 = zerolayer faster; TTFT, TPOT, CPU/req: <1 = zerolayer "
                   "lower):",
               f"{'conc':>4} {'stack / against':<28} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
-              f"{'CPU/req':>9}"]
+              f"{'CPU/req':>9} {'front/req':>9}"]
     pairs = pairs_of(list(next(iter(results.values()))))
     for c, rows in results.items():
         for flavour, other in pairs:
@@ -266,7 +294,8 @@ def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
                          f"{benchlib.ratio(z['p50_ttft_token_ms'], o['p50_ttft_token_ms']):>9} "
                          f"{benchlib.ratio(z['p99_ttft_token_ms'], o['p99_ttft_token_ms']):>9} "
                          f"{benchlib.ratio(z['p50_tpot_token_ms'], o['p50_tpot_token_ms']):>9} "
-                         f"{benchlib.ratio(z['cpu_ms_per_req'], o['cpu_ms_per_req']):>9}")
+                         f"{benchlib.ratio(z['cpu_ms_per_req'], o['cpu_ms_per_req']):>9} "
+                         f"{benchlib.ratio(z['front_cpu_ms_per_req'], o['front_cpu_ms_per_req']):>9}")
     lines += ["", "runtime / vllm-serve (as many API processes) out tok/s in each round (the spread is the machine's "
                   "noise):"]
     for c, by_name in rounds.items():
@@ -275,6 +304,16 @@ def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
                 per_round = [benchlib.ratio(z["output_throughput"], v["output_throughput"])
                              for z, v in zip(by_name[flavour], by_name[other])]
                 lines.append(f"  c={c} {flavour} / {other}: {', '.join(per_round)}")
+    if any(CEILING in rows for rows in results.values()):
+        lines += ["", f"out tok/s as a share of {CEILING} (bench/engine_ceiling.py: the same engine, no server, no "
+                      "client process; per round, then the median):"]
+        for c, by_name in rounds.items():
+            for name, runs in by_name.items():
+                if name != CEILING:
+                    per_round = [r["output_throughput"] / e["output_throughput"]
+                                 for r, e in zip(runs, by_name[CEILING])]
+                    lines.append(f"  c={c} {name:<15} {statistics.median(per_round):.2f} "
+                                 f"({', '.join(f'{x:.2f}' for x in per_round)})")
     lines += ["", "goals (issue 14): vs vllm-serve out tok/s >= 1.00x and TTFT <= 1.00x at every concurrency; "
                   "vs litellm out tok/s >= 1.50x and TTFT p99 <= 0.50x.",
               "", "client command (per point; the key in OPENAI_API_KEY):",
@@ -326,6 +365,9 @@ def main() -> int:
     parser.add_argument("--api-processes", type=int, nargs="+", default=[1], metavar="N",
                         help="run vllm serve (--api-server-count N) and the runtime (server.api_processes N) for each "
                              "N; stacks with N > 1 are named -xN (default: 1)")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also run the engine with no server (bench/engine_ceiling.py) in each round, as "
+                             "engine-only: the most any front end over this engine reaches at that concurrency")
     parser.add_argument("--name", default="vs_vllm_serve")
     args = parser.parse_args()
     from zerolayer.runtime.node import tinymodel
@@ -343,9 +385,15 @@ def main() -> int:
                 for k in range(args.rounds):
                     # Rotate who goes first each round, so a burst of outside load does not always hit one stack.
                     order = list(found)[k % len(found):] + list(found)[:k % len(found)]
+                    if args.ceiling:
+                        order.append(CEILING)  # started fresh each round, after the servers' runs
+                        rounds[c].setdefault(CEILING, [])
                     for name in order:
-                        port, pid, extra = found[name]
-                        r = bench_serve(port, c, args.prompts, pid, extra)
+                        if name == CEILING:
+                            r = engine_only(c, args.prompts)
+                        else:
+                            port, pid, extra = found[name]
+                            r = bench_serve(port, c, args.prompts, pid, extra)
                         rounds[c][name].append(r)
                         print(f"c={c} round {k + 1} {name}: {r['output_throughput']:.1f} tok/s, TTFT p50 "
                               f"{r['p50_ttft_token_ms']:.1f} ms", file=sys.stderr, flush=True)
