@@ -11,6 +11,7 @@ runtime works without the ``engine`` extra.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -385,6 +386,7 @@ class VllmEngine:
         self._args = self.settings.vllm_args(model_path, base)
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._render_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.core_client = core_client  # one of several API processes: a client of the parent's engine core
         self._stats = StatsBox(core_client.stats if core_client else None)  # the freshest of any API process's
         self._reaper = ChildReaper()
@@ -459,11 +461,15 @@ class VllmEngine:
             kv_events.detach(self._kv_events)
             raise EngineError(f"vLLM failed to start with model {self.model_path!r}: {exc}") from exc
         self._reaper.watch(before)  # vLLM's processes now exist: they die with this one, even on SIGKILL
+        self._render_pool = render_pool(args)
 
     async def close(self) -> None:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()
+        if self._render_pool is not None:
+            self._render_pool.shutdown(wait=False)
+            self._render_pool = None
         kv_events.detach(self._kv_events)
         self._reaper.close()
 
@@ -549,7 +555,7 @@ class VllmEngine:
 
     async def _tokenize(self, work: Any, what: str) -> Prompt:
         try:
-            return await asyncio.to_thread(work)
+            return await asyncio.get_running_loop().run_in_executor(self._render_pool, work)
         except Exception as exc:  # jinja or tokenizer errors on odd input
             if _is_template_error(exc) or isinstance(exc, ValueError):
                 # The template refused these messages (roles out of order, a system turn it does not
@@ -623,7 +629,7 @@ class VllmEngine:
         seen: set[int] = set()
         try:
             async for out in self._llm.generate(
-                {"prompt_token_ids": list(prompt.token_ids)}, params, request_id=request_id, priority=priority,
+                engine_input(prompt), params, request_id=request_id, priority=priority,
                 lora_request=lora_request, trace_headers=trace_headers(options),
             ):
                 started = True
@@ -716,6 +722,29 @@ def tool_schema(tool: ToolSpec) -> dict[str, Any]:
 
     return {"type": "function", "function": {"name": tool.name, "description": tool.description,
                                              "parameters": json.loads(tool.parameters)}}
+
+
+def engine_input(prompt: Prompt) -> Any:
+    """``prompt`` as vLLM's rendered ``TokensInput`` (``type: "token"``), as vllm serve hands it to the
+    engine: ``AsyncLLM.generate`` then checks it on the event loop. A bare ``{"prompt_token_ids": ...}``
+    counts as unrendered, and vLLM sends each one through its renderer's thread before the engine sees
+    it: a second hop between threads per request, after the chat template's (docs/benchmarks.md
+    section 13). The token ids are already ours: rendered and checked by :meth:`VllmEngine.render` and
+    :meth:`VllmEngine.encode`."""
+    from vllm.inputs.engine import tokens_input
+
+    return tokens_input(list(prompt.token_ids))
+
+
+def render_pool(args: Mapping[str, Any]) -> concurrent.futures.ThreadPoolExecutor:
+    """The threads chat templates are rendered and prompts tokenized in: as many as vLLM's own
+    renderer has (``renderer_num_workers``, vLLM's default 1), since the tokenizer vLLM hands out
+    (``get_tokenizer()``, made thread-safe by ``vllm.tokenizers.hf.maybe_make_thread_pool``) keeps
+    that many copies plus one, and deep-copies a new one whenever more threads use it at once. With
+    asyncio's default executor (up to 6 threads on 2 cores) a burst of requests made copies and set
+    those threads fighting the event loop for the GIL (docs/benchmarks.md section 13)."""
+    workers = int(args.get("renderer_num_workers") or 1)
+    return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zerolayer-render")
 
 
 def sampling_params(options: SamplingOptions) -> Any:
