@@ -530,7 +530,7 @@ class VllmEngine:
             ids = tokenizer.encode(text, add_special_tokens=False)
             return Prompt(text=text, token_ids=tuple(ids), model=model)
 
-        return await self._tokenize(_render, "chat template")
+        return await rendered(self._render_pool, _render, "chat template")
 
     async def encode(self, model: str, prompt: str | Sequence[int]) -> Prompt:
         if self._tokenizer is None:
@@ -551,19 +551,7 @@ class VllmEngine:
                               model=model)
             return Prompt(text=tokenizer.decode(list(ids)), token_ids=ids, model=model)  # the text: for echo
 
-        return await self._tokenize(_encode, "tokenizer")
-
-    async def _tokenize(self, work: Any, what: str) -> Prompt:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._render_pool, work)
-        except Exception as exc:  # jinja or tokenizer errors on odd input
-            if _is_template_error(exc) or isinstance(exc, ValueError):
-                # The template refused these messages (roles out of order, a system turn it does not
-                # take, a prefill it cannot continue, ...): the client's mistake, not the engine's.
-                # transformers raises ValueError for what it checks itself (continue_final_message
-                # without a final assistant turn). Its text is the template's own.
-                raise InputRejected(f"the model's {what} refused the input: {str(exc)[:200]}") from exc
-            raise EngineError(f"{what} failed: {exc}") from exc
+        return await rendered(self._render_pool, _encode, "tokenizer")
 
     def parse_tool_calls(self, text: str, tools: ToolUse) -> tuple[str, tuple[ToolCall, ...]]:
         if tools.choice in ("required", "function"):
@@ -734,6 +722,20 @@ def engine_input(prompt: Prompt) -> Any:
     from vllm.inputs.engine import tokens_input
 
     return tokens_input(list(prompt.token_ids))
+
+
+async def rendered(pool: concurrent.futures.Executor | None, work: Callable[[], Prompt], what: str) -> Prompt:
+    """``work`` (a chat template's render, a tokenization) run in ``pool``; its errors as the runtime's."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
+    except Exception as exc:  # jinja or tokenizer errors on odd input
+        if _is_template_error(exc) or isinstance(exc, ValueError):
+            # The template refused these messages (roles out of order, a system turn it does not
+            # take, a prefill it cannot continue, ...): the client's mistake, not the engine's.
+            # transformers raises ValueError for what it checks itself (continue_final_message
+            # without a final assistant turn). Its text is the template's own.
+            raise InputRejected(f"the model's {what} refused the input: {str(exc)[:200]}") from exc
+        raise EngineError(f"{what} failed: {exc}") from exc
 
 
 def render_pool(args: Mapping[str, Any]) -> concurrent.futures.ThreadPoolExecutor:
