@@ -108,8 +108,8 @@ class SplitCpuMeter:
 
     def start(self) -> None:
         tree = process_tree(self.pid)
-        self.groups = {"engine": [p for p in tree if self._is_engine(p)],
-                       "front": [p for p in tree if not self._is_engine(p)]}
+        engine = [p for p in tree if self._is_engine(p)]
+        self.groups = {"engine": engine, "front": [p for p in tree if p not in engine]}
         self.before = {k: cpu_seconds(v) for k, v in self.groups.items()}
 
     def stop(self) -> dict[str, float]:

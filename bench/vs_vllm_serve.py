@@ -381,13 +381,12 @@ def main() -> int:
                                                                     tuple(args.api_processes)) as found:
         try:
             for c in args.concurrency:
-                rounds[c] = {name: [] for name in found}
+                rounds[c] = {name: [] for name in [*found, *([CEILING] if args.ceiling else [])]}
                 for k in range(args.rounds):
                     # Rotate who goes first each round, so a burst of outside load does not always hit one stack.
                     order = list(found)[k % len(found):] + list(found)[:k % len(found)]
                     if args.ceiling:
                         order.append(CEILING)  # started fresh each round, after the servers' runs
-                        rounds[c].setdefault(CEILING, [])
                     for name in order:
                         if name == CEILING:
                             r = engine_only(c, args.prompts)
