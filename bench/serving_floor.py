@@ -7,6 +7,8 @@ h2load (nghttp2's C load generator) with the same settings drives, one after the
   zerolayer   ``zerolayer runtime`` with the synthetic engine (16 tokens, no pacing), auth by
               API key, a tenant with request/token quotas and the scheduler's two-stage
               admission on — over h2c;
+  bare-h11    bench/bare_h11.py: python-hyper h11 on uvloop answering the same fixed chat completion
+              (the python-hyper floor over HTTP/1.1: the library the runtime's Python core uses);
   uvicorn     a trivial Starlette app on uvicorn (httptools, uvloop) answering the same JSON
               (bench/floor_apps.py): the usual Python HTTP/1.1 stack doing nothing;
   zerolayer   the same runtime over HTTP/1.1;
@@ -48,6 +50,10 @@ H1 = {"clients": 128, "streams": 1, "http1": True}
 
 def bare_cmd(port: int, workers: int = 1) -> list[str]:
     return [sys.executable, str(benchlib.HERE / "bare_h2.py"), "--port", str(port), "--workers", str(workers)]
+
+
+def bare_h11_cmd(port: int) -> list[str]:
+    return [sys.executable, str(benchlib.HERE / "bare_h11.py"), "--port", str(port)]
 
 
 def uvicorn_cmd(port: int) -> list[str]:
@@ -136,11 +142,11 @@ def component(frames: list[str]) -> str:
 
 
 def floor_of(name: str, rows: dict[str, dict]) -> dict:
-    """The row ``name`` is set against: uvicorn for HTTP/1.1; bare-h2 for h2c; for the runtime with N API
+    """The row ``name`` is set against: bare-h11 for HTTP/1.1; bare-h2 for h2c; for the runtime with N API
     processes (``zerolayer-xN h2c``) the better (more req/s) of bare-h2 with one process and with N."""
     server, proto = name.split()
     if proto != "h2c":
-        return rows["uvicorn h1"]
+        return rows["bare-h11 h1"]
     if server.startswith("zerolayer-x"):
         many = rows.get(f"bare-h2-x{server.rpartition('-x')[2]} h2c")
         return max([rows["bare-h2 h2c"], *([many] if many else [])], key=lambda r: r["rps"])
@@ -148,7 +154,7 @@ def floor_of(name: str, rows: dict[str, dict]) -> dict:
 
 
 def report(rows: dict[str, dict], args: argparse.Namespace, prof: dict | None) -> str:
-    floor, h1floor = rows["bare-h2 h2c"], rows["uvicorn h1"]
+    floor, h1floor, uvicorn = rows["bare-h2 h2c"], rows["bare-h11 h1"], rows["uvicorn h1"]
     rev = os.environ.get("ZEROLAYER_BENCH_REV", "working tree")
     lines = [
         f"serving floor: non-streaming POST {benchlib.CHAT_PATH}, 16-token answer; h2load -n {args.n} "
@@ -167,11 +173,13 @@ def report(rows: dict[str, dict], args: argparse.Namespace, prof: dict | None) -
     z2, z1 = rows["zerolayer h2c"], rows["zerolayer h1"]
     lines += [
         "",
-        "floor for h2c rows: bare-h2; for HTTP/1.1 rows: uvicorn.",
+        "floor for h2c rows: bare-h2; for HTTP/1.1 rows: bare-h11 (python-hyper's HTTP/1.1 library).",
         f"zerolayer h2c keeps {z2['rps'] / floor['rps']:.0%} of the bare-h2 floor's req/s (goal >= 80%) at "
         f"{z2['cpu_ms_per_req']:.3f} ms server CPU per request (goal <= 0.2 ms; floor {floor['cpu_ms_per_req']:.3f}).",
-        f"zerolayer HTTP/1.1 keeps {z1['rps'] / h1floor['rps']:.0%} of uvicorn's req/s at "
-        f"{z1['cpu_ms_per_req']:.3f} ms CPU per request (uvicorn {h1floor['cpu_ms_per_req']:.3f}).",
+        f"zerolayer HTTP/1.1 keeps {z1['rps'] / h1floor['rps']:.0%} of the bare-h11 floor's req/s (goal >= 80%) at "
+        f"{z1['cpu_ms_per_req']:.3f} ms server CPU per request (goal <= 0.2 ms; floor {h1floor['cpu_ms_per_req']:.3f});",
+        f"  {z1['rps'] / uvicorn['rps']:.0%} of uvicorn's req/s (uvicorn {uvicorn['cpu_ms_per_req']:.3f} ms) and "
+        f"{z1['rps'] / floor['rps']:.0%} of the bare-h2 h2c row's.",
         *[f"{name.split()[0]} h2c keeps {r['rps'] / floor_of(name, rows)['rps']:.0%} of the better bare-h2 row's "
           f"req/s ({floor_of(name, rows)['rps']:.0f}) at {r['cpu_ms_per_req']:.3f} ms server CPU per request, "
           f"{r['rps'] / z2['rps']:.2f}x the one-process runtime's req/s."
@@ -243,7 +251,10 @@ def main() -> int:
             port = benchlib.free_port()
             rows["uvicorn h1"] = measure(uvicorn_cmd(port), port, args.n, H1)
             print("uvicorn h1", rows["uvicorn h1"]["rps"], file=sys.stderr, flush=True)
-    order = ["bare-h2 h2c", "zerolayer h2c", "zl-noquota h2c", "uvicorn h1", "zerolayer h1"]
+            port = benchlib.free_port()
+            rows["bare-h11 h1"] = measure(bare_h11_cmd(port), port, args.n, H1)
+            print("bare-h11 h1", rows["bare-h11 h1"]["rps"], file=sys.stderr, flush=True)
+    order = ["bare-h2 h2c", "zerolayer h2c", "zl-noquota h2c", "uvicorn h1", "bare-h11 h1", "zerolayer h1"]
     if args.api_processes > 1:
         n = args.api_processes
         port = benchlib.free_port()

@@ -1,0 +1,91 @@
+"""The HTTP/1.1 floor: a bare python-hyper h11 server on uvloop that answers a fixed chat completion.
+
+The HTTP/1.1 counterpart of bench/bare_h2.py: python-hyper's sans-IO HTTP/1.1 library (``h11``, the
+one the runtime's Python core serves HTTP/1.1 with) on the same event loop, doing no work at all: no
+routing, no auth, no JSON parsing, no engine. Every request gets ``FIXED_CHAT_COMPLETION`` (the same
+bytes and headers as bare-h2's) once its body has ended; the connection is kept alive. So
+``runtime HTTP/1.1 req/s ÷ bare_h11 req/s`` is the share of python-hyper's HTTP/1.1 floor the runtime
+keeps, measured with the same client shape (bench/serving_floor.py: ``--h1 -c 128 -m 1``).
+
+    python bench/bare_h11.py --port 8182
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+import h11
+
+from bare_h2 import FIXED_CHAT_COMPLETION
+
+RESPONSE = h11.Response(status_code=200, reason=b"OK", headers=[
+    ("content-type", "application/json"), ("content-length", str(len(FIXED_CHAT_COMPLETION)))])
+BODY = h11.Data(data=FIXED_CHAT_COMPLETION)
+
+
+class BareH11(asyncio.Protocol):
+    """One keep-alive connection: h11 events in, the fixed answer out when a request's body has ended."""
+
+    def __init__(self) -> None:
+        self.conn = h11.Connection(h11.SERVER)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.conn.receive_data(data)
+        out = []
+        while True:
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError:
+                self.transport.close()
+                return
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                break
+            if isinstance(event, h11.EndOfMessage):
+                out += [self.conn.send(RESPONSE), self.conn.send(BODY), self.conn.send(h11.EndOfMessage())]
+                if self.conn.our_state is h11.MUST_CLOSE:
+                    break
+                self.conn.start_next_cycle()
+            elif isinstance(event, h11.ConnectionClosed):
+                break
+        if out:
+            self.transport.write(b"".join(out))  # type: ignore[arg-type]  # send() returns bytes here
+        if self.conn.our_state is h11.MUST_CLOSE or self.conn.their_state is h11.CLOSED:
+            self.transport.close()
+
+    def eof_received(self) -> bool | None:
+        self.conn.receive_data(b"")
+        return None
+
+
+def serve(host: str, port: int) -> None:
+    import uvloop
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(BareH11, host, port, backlog=1024)
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        async with server:
+            await stop.wait()
+
+    uvloop.run(main())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8182)
+    args = parser.parse_args()
+    serve(args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()
