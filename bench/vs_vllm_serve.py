@@ -127,7 +127,7 @@ def bench_serve(port: int, concurrency: int, prompts: int, pid: int, pids_extra:
         # matter (the servers are idle meanwhile) but before the first request.
         for m in meters:
             m.start()
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp, timeout=1800)
+        done, group = benchlib.run_client(cmd, env=env, cwd=tmp)  # outranks the servers: see run_client
         split = [m.stop() for m in meters]
         front = sum(s["front"] for s in split)
         cpu = front + sum(s["engine"] for s in split)
@@ -142,6 +142,7 @@ def bench_serve(port: int, concurrency: int, prompts: int, pid: int, pids_extra:
     if not out.get("completed"):
         raise RuntimeError(f"port {port}: every request failed, e.g. {errors[:1]}")
     out["first_error"] = errors[0] if errors else None
+    out["client_group"] = group
     out.update(first_token_metrics(result))
     out["server_cpu_s"] = cpu
     out["cpu_ms_per_req"] = cpu * 1000 / out["completed"] if out.get("completed") else None
@@ -256,6 +257,13 @@ def median_of(runs: list[dict]) -> dict:
     return out
 
 
+def client_groups(rounds: dict[int, dict[str, list[dict]]]) -> str:
+    """The load generator's scheduling group(s) over the run, without the group number."""
+    found = {r.get("client_group", "unknown").partition(" ")[2] or "unknown"
+             for by_name in rounds.values() for runs in by_name.values() for r in runs if "client_group" in r}
+    return ", ".join(sorted(found)) or "n/a"
+
+
 def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
            rounds: dict[int, dict[str, list[dict]]]) -> str:
     rev = os.environ.get("ZEROLAYER_BENCH_REV", "working tree")
@@ -264,6 +272,8 @@ def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
         f"(CPU), random dataset 64 in / 32 out tokens, {args.prompts} prompts per point, streaming "
         f"/v1/chat/completions; medians of {args.rounds} interleaved rounds; runtime at {rev}",
         benchlib.machine_line(),
+        f"load generator: vllm bench serve in a session of its own, scheduling group {client_groups(rounds)} "
+        "(benchlib.run_client: a client in another session than busy servers is starved on 2 cores)",
         "",
         f"{'conc':>4} {'stack':<15} {'done':>5} {'out tok':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'TPOT p50':>9} {'CPU ms/req':>10} {'front ms/req':>12} {'1st-chunk p50':>13}",
