@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 
 import h11
 
-from bare_h2 import FIXED_CHAT_COMPLETION
+from bare_h2 import FIXED_CHAT_COMPLETION, serve_protocol
 
 RESPONSE = h11.Response(status_code=200, reason=b"OK", headers=[
     ("content-type", "application/json"), ("content-length", str(len(FIXED_CHAT_COMPLETION)))])
@@ -64,27 +63,12 @@ class BareH11(asyncio.Protocol):
         return None
 
 
-def serve(host: str, port: int) -> None:
-    import uvloop
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(BareH11, host, port, backlog=1024)
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
-        async with server:
-            await stop.wait()
-
-    uvloop.run(main())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8182)
     args = parser.parse_args()
-    serve(args.host, args.port)
+    serve_protocol(BareH11, args.host, args.port)
 
 
 if __name__ == "__main__":

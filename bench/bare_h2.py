@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import signal
 import socket
+from typing import Callable
 
 import h2.config
 import h2.connection
@@ -98,13 +99,17 @@ class BareH2(asyncio.Protocol):
 
 
 def serve(host: str, port: int, reuse_port: bool, stream_tokens: int = 0) -> None:
-    import uvloop
-
     events = stream_events(stream_tokens) if stream_tokens else None
+    serve_protocol(lambda: BareH2(events), host, port, reuse_port)
+
+
+def serve_protocol(factory: Callable[[], asyncio.Protocol], host: str, port: int, reuse_port: bool = False) -> None:
+    """Serve ``factory``'s connections on uvloop until SIGTERM or SIGINT (bare_h2 and bare_h11 alike)."""
+    import uvloop
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: BareH2(events), host, port, reuse_port=reuse_port, backlog=1024)
+        server = await loop.create_server(factory, host, port, reuse_port=reuse_port, backlog=1024)
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)

@@ -138,8 +138,8 @@ def run_client(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: st
     Why: with ``kernel.sched_autogroup_enabled`` (the default on most distributions) the scheduler shares
     CPU between *sessions* first. A server started in a session of its own (:func:`server`) with vLLM's
     engine core and worker busy in it has been seen, on 2 cores, to keep a client in another session waiting
-    on the run queue for up to 2 s at a time (its ``/proc/PID/schedstat`` run delay: 1.9-2.7 s in a 2.5-4.5 s
-    run). The client then reads every stream late at once, and the run measures the client's starvation,
+    on the run queue for up to 2 s at a time (its ``/proc/PID/schedstat`` run delay: 1.9-2.7 s in 3.4-4.5 s
+    runs). The client then reads every stream late at once, and the run measures the client's starvation,
     as a server "collapse" that moves from stack to stack. A client that outranks the servers takes the
     CPU it needs (about a third of a core for ``vllm bench serve`` at c=32) whichever server it drives."""
     proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

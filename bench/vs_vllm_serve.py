@@ -259,7 +259,7 @@ def median_of(runs: list[dict]) -> dict:
 
 def client_groups(rounds: dict[int, dict[str, list[dict]]]) -> str:
     """The load generator's scheduling group(s) over the run, without the group number."""
-    found = {r.get("client_group", "unknown").partition(" ")[2] or "unknown"
+    found = {r["client_group"].partition(" ")[2] or "unknown"  # "/autogroup-N nice -5" -> "nice -5"
              for by_name in rounds.values() for runs in by_name.values() for r in runs if "client_group" in r}
     return ", ".join(sorted(found)) or "n/a"
 
