@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -130,7 +130,7 @@ def _raise_session_priority() -> None:
 
 
 def run_client(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-               timeout: float = 1800) -> tuple[subprocess.CompletedProcess, str]:
+               timeout: float = 1800, log: IO[str] | None = None) -> tuple[subprocess.CompletedProcess, str]:
     """Run a load generator to completion, in a session of its own whose scheduling group outranks the
     servers' (autogroup nice ``CLIENT_AUTOGROUP_NICE``); returns the finished process and its group as the
     kernel names it (``/autogroup-N nice -5``; ``unknown`` without autogroup).
@@ -141,8 +141,11 @@ def run_client(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: st
     on the run queue for up to 2 s at a time (its ``/proc/PID/schedstat`` run delay: 1.9-2.7 s in 3.4-4.5 s
     runs). The client then reads every stream late at once, and the run measures the client's starvation,
     as a server "collapse" that moves from stack to stack. A client that outranks the servers takes the
-    CPU it needs (about a third of a core for ``vllm bench serve`` at c=32) whichever server it drives."""
-    proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    CPU it needs (about a third of a core for ``vllm bench serve`` at c=32) whichever server it drives.
+
+    ``log``: an open file that takes the client's stdout and stderr together (the result's are then None)."""
+    streams = (subprocess.PIPE, subprocess.PIPE) if log is None else (log, subprocess.STDOUT)
+    proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=streams[0], stderr=streams[1], text=True,
                             start_new_session=True, preexec_fn=_raise_session_priority)
     try:  # Popen returns once the child has exec'd, so its preexec_fn has run
         group = pathlib.Path(f"/proc/{proc.pid}/autogroup").read_text().strip()

@@ -33,3 +33,12 @@ def test_the_client_output_and_exit_status_come_back() -> None:
     done, _ = benchlib.run_client([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); "
                                    "sys.exit(3)"])
     assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+
+
+def test_a_log_takes_both_streams_in_order(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "client.log"
+    with open(path, "w") as log:
+        done, _ = benchlib.run_client([sys.executable, "-c", "import sys; print('out', flush=True); "
+                                       "print('err', file=sys.stderr); sys.exit(2)"], log=log)
+    assert (done.returncode, done.stdout, done.stderr) == (2, None, None)
+    assert path.read_text() == "out\nerr\n"
