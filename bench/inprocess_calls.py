@@ -3,11 +3,13 @@
 The runtime (the floor bench's config: synthetic engine, API-key auth, a tenant with quotas, two-stage
 admission) is built as ``zerolayer runtime`` builds it, and one of its HTTP/2 connections is fed the
 bytes of a python-hyper h2 client, encoded beforehand: 16 non-streaming chat completions per read (the
-floor bench's 16 streams per connection), the next read once all 16 are answered. Prints µs of CPU
+floor bench's 16 streams per connection), the next read once all 16 are answered. ``--http1``: 16
+HTTP/1.1 keep-alive connections instead, each read one request (the floor bench's HTTP/1.1 shape, one
+request in flight per connection), the next round of reads once all 16 are answered. Prints µs of CPU
 per request; ``--calls`` also runs it under cProfile and prints Python function calls per request and
 the functions called most (cProfile slows everything several times: read its counts, not its times).
 
-    python3 bench/inprocess_calls.py [-n 8000] [--calls]
+    python3 bench/inprocess_calls.py [-n 8000] [--http1] [--calls]
 
 The client's encoding cost grows with the number of streams it has opened (python-hyper counts them on
 each new one), so keep ``-n`` in the thousands.
@@ -54,6 +56,14 @@ def client_reads(n: int) -> tuple[bytes, list[bytes]]:
     return preface, [b"".join(requests[i:i + IN_FLIGHT]) for i in range(0, n, IN_FLIGHT)]
 
 
+def http1_request() -> bytes:
+    """One request as h2load --h1 sends it (its own headers, then the bench's)."""
+    fields = {"host": "node", "user-agent": "h2load nghttp2/1.52.0", **benchlib.REQUEST_HEADERS,
+              "content-length": str(len(benchlib.CHAT_BODY))}
+    head = f"POST {benchlib.CHAT_PATH} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
+    return head.encode() + b"\r\n" + benchlib.CHAT_BODY
+
+
 class _Transport:
     """The socket's side of asyncio's transport interface, counting what the runtime writes."""
 
@@ -78,7 +88,7 @@ class _Transport:
     abort = close
 
 
-async def measure(n: int, profile: cProfile.Profile | None) -> tuple[int, float, int]:
+async def measure(n: int, profile: cProfile.Profile | None, http1: bool = False) -> tuple[int, float, int]:
     """(requests measured, CPU seconds, bytes written) after :data:`WARM_READS` reads of warm-up."""
     os.environ["BENCH_KEY"] = benchlib.KEY
     path = benchlib.write_config(benchlib.runtime_config(0))
@@ -87,18 +97,25 @@ async def measure(n: int, profile: cProfile.Profile | None) -> tuple[int, float,
     finally:
         os.unlink(path)
     await server.start()
-    preface, reads = client_reads(n)
-    conn = Connection(server.context, False)
     transport = _Transport()
-    conn.connection_made(transport)  # type: ignore[arg-type]
-    conn.data_received(preface)
+    if http1:
+        conns = [Connection(server.context, False) for _ in range(IN_FLIGHT)]
+        reads = [http1_request()] * (n // IN_FLIGHT)  # one round: each connection reads one request
+    else:
+        preface, reads = client_reads(n)
+        conns = [Connection(server.context, False)]
+    for conn in conns:
+        conn.connection_made(transport)  # type: ignore[arg-type]
+    if not http1:
+        conns[0].data_received(preface)
 
     async def feed(chunks: list[bytes]) -> None:
         for chunk in chunks:
-            conn.data_received(chunk)
-            while conn._tasks:  # every request of the read answered
+            for conn in conns:
+                conn.data_received(chunk)
+            while any(conn._tasks for conn in conns):  # every request of the round answered
                 await asyncio.sleep(0)
-            await asyncio.sleep(0)  # and the deferred flush done
+            await asyncio.sleep(0)  # and the deferred flushes done
 
     await feed(reads[:WARM_READS])
     gc.collect()
@@ -117,25 +134,27 @@ async def measure(n: int, profile: cProfile.Profile | None) -> tuple[int, float,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=8000, help="requests, warm-up included")
+    parser.add_argument("--http1", action="store_true", help="HTTP/1.1 keep-alive connections instead of h2c")
     parser.add_argument("--calls", action="store_true", help="also count Python calls per request (cProfile)")
     args = parser.parse_args()
     if args.n <= (WARM_READS + 1) * IN_FLIGHT:
         parser.error(f"-n must be more than {(WARM_READS + 1) * IN_FLIGHT} (the warm-up)")
     import uvloop  # type: ignore[import-not-found]
 
-    requests, cpu, written = uvloop.run(measure(args.n, None))
-    print(f"{requests} requests in process, {IN_FLIGHT} in flight: {cpu / requests * 1e6:.1f} µs of CPU per request, "
+    requests, cpu, written = uvloop.run(measure(args.n, None, args.http1))
+    print(f"{requests} {'HTTP/1.1' if args.http1 else 'h2c'} requests in process, {IN_FLIGHT} in flight: {cpu / requests * 1e6:.1f} µs of CPU per request, "
           f"{written / requests:.0f} bytes written per request")
     if args.calls:
         profile = cProfile.Profile()
-        requests, _, _ = uvloop.run(measure(args.n, profile))
+        requests, _, _ = uvloop.run(measure(args.n, profile, args.http1))
         stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
         calls = sum(row[1] for row in stats.values())
         print(f"under cProfile: {calls / requests:.0f} Python function calls per request; the most called:")
         for (file, line, name), row in sorted(stats.items(), key=lambda kv: -kv[1][1])[:15]:
             where = f"{file.rsplit('/', 1)[-1]}:{line}" if line else "builtin"
             print(f"  {row[1] / requests:6.1f}  {name} ({where})")
-    print(f"command: python3 bench/inprocess_calls.py -n {args.n}{' --calls' if args.calls else ''}")
+    print(f"command: python3 bench/inprocess_calls.py -n {args.n}{' --http1' if args.http1 else ''}"
+          f"{' --calls' if args.calls else ''}")
     return 0
 
 

@@ -275,3 +275,49 @@ def test_known_difference_blank_lines_before_a_request():
         for op in [("send", raw), ("respond", 200, "length", False), ("resume",), ("respond", 200, "length", False)]:
             run.step(op)
         assert len(parse(bytes(run.written))) == served
+
+
+# Fields an application may hand a response head. Known differences left out (docs/server-core.md, "The
+# HTTP/1.1 half"): values h11 refuses and the native core writes as given (leading or trailing blanks, a
+# malformed content-length on a 204/304, non-ASCII text, which the python core does not catch).
+RESPONSE_FIELDS = [
+    [], [("content-length", "6")], [("content-length", "x")],
+    [("transfer-encoding", "chunked")], [("content-length", "6"), ("transfer-encoding", "chunked")],
+    [("content-length", "6"), ("connection", "close")], [("connection", "Keep-Alive, Close")],
+    [("content-length", "6"), ("connection", "keep-alive")],
+    [("x-bad", "a\r\nb: c")], [("x-bad", "a\nb")], [("x-bad", "a\rb")], [("x:bad", "v")], [("x: bad", "v")],
+    [("x\rbad", "v")], [("X-Upper", "v"), ("content-length", "6")],
+]
+
+
+@pytest.mark.parametrize("fields", RESPONSE_FIELDS, ids=repr)
+@pytest.mark.parametrize("raw", [b"GET /ok HTTP/1.1\r\nhost: node\r\n\r\n", b"GET /ok HTTP/1.0\r\nhost: node\r\n\r\n",
+                                 b"HEAD /ok HTTP/1.1\r\nhost: node\r\n\r\n"], ids=["1.1", "1.0", "head"])
+@pytest.mark.parametrize("status", [200, 404])
+def test_both_cores_write_or_refuse_a_response_head_alike(fields, raw, status):  # type: ignore[no-untyped-def]
+    """The native core writes a response head's fields in one piece (h1native._head_bytes); a CR, LF or
+    colon where h11 refuses one, and every framing rule, come out as h11 has them."""
+    outcomes = []
+    for cls in (H1ServerCore, NativeH1ServerCore):
+        core = cls(lambda head: Accept(0, None), LIMITS)
+        sid = next(e.head.stream_id for e in core.receive(raw) if isinstance(e, RequestReady))
+        core.send_head(sid, status, [("content-type", "text/plain"), *fields])
+        core.send_data(sid, b"hello\n", end=True)
+        outcomes.append((core.data_to_send(), core.ended))
+    assert outcomes[1] == outcomes[0]
+
+
+@pytest.mark.parametrize("status, fields", [(200, [("x-pad", " v ")]), (200, [("content-length", " 6 ")]),
+                                            (204, [("content-length", "x")])])
+def test_known_difference_response_fields_h11_refuses(status, fields):  # type: ignore[no-untyped-def]
+    """h11 refuses these fields (its ending the connection unanswered); the native core writes them as given."""
+    written = []
+    for cls in (H1ServerCore, NativeH1ServerCore):
+        core = cls(lambda head: Accept(0, None), LIMITS)
+        sid = next(e.head.stream_id for e in core.receive(b"GET / HTTP/1.1\r\nhost: n\r\n\r\n")
+                   if isinstance(e, RequestReady))
+        core.send_head(sid, status, [("content-type", "text/plain"), *fields])
+        written.append(core.data_to_send())
+    assert written[0] == b""
+    name, value = fields[0]
+    assert f"{name}: {value}\r\n".encode() in written[1]

@@ -302,26 +302,36 @@ class NativeH1ServerCore(H1ServerCore):
     def _head_bytes(self, status: int, pairs: list[tuple[str, str]]) -> bytes | None:
         """The response head as h11 writes it (its framing and keep-alive clean-up), or None where
         h11 would refuse it (LocalProtocolError)."""
+        # The fields' lines, written once: kept as they are unless the framing below changes the fields.
+        # A CR or LF inside a name or value shows as more line ends than fields.
+        lines = "".join([f"{name}: {value}\r\n" for name, value in pairs])
+        if lines.count("\n") != len(pairs) or lines.count("\r") != len(pairs):
+            return None
+        text: str | None = lines
         length: str | None = None
-        close = False
+        close = te = False
         for name, value in pairs:
-            if "\n" in value or "\r" in value or "\n" in name or "\r" in name or ":" in name:
+            if ":" in name:
                 return None
             if name == "content-length":
                 length = value.strip()
-            elif name == "connection" and "close" in value.lower():
-                close = True
+            elif name == "connection":
+                if "close" in value.lower():
+                    close = True
+            elif name == "transfer-encoding":
+                te = True
         head_request = self._method == b"HEAD"
         self._chunked = False
         if status in _NO_BODY_STATUS or (self._method == b"CONNECT" and 200 <= status < 300):
             self._left = 0
-        elif length is not None and "transfer-encoding" not in (n for n, _ in pairs):
+        elif length is not None and not te:
             if not length.isdigit():
                 return None
             self._left = int(length)
         else:  # a body of unknown length: chunked to an HTTP/1.1 peer, close-delimited to 1.0
             self._left = None
             pairs = [(n, v) for n, v in pairs if n != "content-length" and n != "transfer-encoding"]
+            text = None
             if self._peer_10:
                 if not head_request:
                     return self._write_head(status, pairs, force_close=True, close=close)
@@ -331,24 +341,28 @@ class NativeH1ServerCore(H1ServerCore):
         if head_request:  # h11 picks a HEAD response's headers as for GET, and sends no body
             self._chunked = False
             self._left = 0
-        return self._write_head(status, pairs, force_close=False, close=close)
+        return self._write_head(status, pairs, force_close=False, close=close, text=text)
 
-    def _write_head(self, status: int, pairs: list[tuple[str, str]], *, force_close: bool, close: bool) -> bytes:
+    def _write_head(self, status: int, pairs: list[tuple[str, str]], *, force_close: bool, close: bool,
+                    text: str | None = None) -> bytes:
+        """``text``: ``pairs``' lines already written (:meth:`_head_bytes`), unless they change here."""
         if not self._keep_alive or force_close:
             tokens: set[str] = set()
             kept = []
             for name, value in pairs:
                 if name == "connection":
-                    tokens.update(t.strip() for t in value.split(",") if t.strip())
+                    tokens.update(t.strip().lower() for t in value.split(",") if t.strip())  # h11: case-blind
                 else:
                     kept.append((name, value))
             tokens.discard("keep-alive")
             tokens.add("close")
             pairs = kept + [("Connection", t) for t in sorted(tokens)]
+            text = None
         if close or force_close:
             self._keep_alive = False
-        return _status_line(status) + b"".join(
-            [f"{name}: {value}\r\n".encode("latin-1") for name, value in pairs]) + b"\r\n"
+        if text is None:
+            text = "".join([f"{name}: {value}\r\n" for name, value in pairs])
+        return _status_line(status) + text.encode("latin-1") + b"\r\n"
 
     def send_head(self, sid: int, status: int, headers) -> None:  # type: ignore[no-untyped-def]
         if self.ended or sid != self._sid or self._responding:
