@@ -16,6 +16,7 @@ import time
 import pytest
 
 from zerolayer.cluster.local import LocalCluster
+from zerolayer.operator.crds import established
 
 from tests.conftest import REPO
 
@@ -44,6 +45,17 @@ class E2ECluster:
         return dict(os.environ, KUBECONFIG=self.kubeconfig,
                     PATH=f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
 
+    def wait_established(self, *crds: str, timeout: float = 60) -> None:
+        """Wait until each CustomResourceDefinition (``name.group``) is served, by the operator's own test
+        (``crds.established``). Not ``kubectl wait --for=condition=Established``: that fails at once, instead
+        of waiting, on a CRD just applied whose status has no conditions yet (seen in CI on a loaded machine)."""
+        def served(name: str) -> bool:
+            found = self.kubectl("get", "crd", name, "--ignore-not-found", "-o", "json").stdout
+            return bool(found.strip()) and established(json.loads(found))
+
+        for name in crds:
+            self.wait_for(lambda name=name: served(name), timeout=timeout, what=f"crd/{name} Established")
+
     def wait_for(self, check, timeout: float = 60, interval: float = 0.5, what: str = "condition"):
         deadline = time.monotonic() + timeout
         last = None
@@ -61,11 +73,10 @@ def cluster():
         pytest.skip("ZEROLAYER_E2E=0: e2e tier disabled")
     local = LocalCluster(log=lambda msg: print(f"[cluster] {msg}", flush=True))
     started = local.up() == "started"
-    c = E2ECluster(local)
-    c.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    c.kubectl("wait", "--for=condition=Established", "crd/inferencenodes.zerolayer.io",
-              "crd/tenantquotas.zerolayer.io", "--timeout=60s")
-    try:
+    try:  # a failure after the start takes the cluster down too (its processes would outlive the run)
+        c = E2ECluster(local)
+        c.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+        c.wait_established("inferencenodes.zerolayer.io", "tenantquotas.zerolayer.io")
         yield c
     finally:
         if started and os.environ.get("ZEROLAYER_KEEP_CLUSTER") != "1":

@@ -45,8 +45,7 @@ class RealCluster(E2ECluster):
         self.local.up(nodes=0, real_nodes=1, timeout=timeout)
         self.started_here = True
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-        self.kubectl("wait", "--for=condition=Established", "crd/inferencenodes.zerolayer.io",
-                     "crd/tenantquotas.zerolayer.io", "--timeout=60s")
+        self.wait_established("inferencenodes.zerolayer.io", "tenantquotas.zerolayer.io")
         self.log(f"[real-cluster] up with {REAL_NODE} in {time.monotonic() - started:.1f}s")
 
     # ------------------------------------------------------------------ pods

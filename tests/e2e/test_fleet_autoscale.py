@@ -24,7 +24,7 @@ AUTOSCALING = {"minReplicas": 0, "maxReplicas": 3, "metric": "runningRequests", 
 
 @pytest.fixture
 def rig(cluster, tmp_path):
-    cluster.kubectl("wait", "--for=condition=Established", "crd/inferencefleets.zerolayer.io", "--timeout=60s")
+    cluster.wait_established("inferencefleets.zerolayer.io")
     rig = FleetRig(cluster, new_run_id(), tmp_path).up()
     try:
         yield rig

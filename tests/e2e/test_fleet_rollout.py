@@ -28,7 +28,7 @@ STREAM_TOKENS = 500
 
 @pytest.fixture
 def rig(cluster, tmp_path):
-    cluster.kubectl("wait", "--for=condition=Established", "crd/inferencefleets.zerolayer.io", "--timeout=60s")
+    cluster.wait_established("inferencefleets.zerolayer.io")
     rig = FleetRig(cluster, new_run_id(), tmp_path)
     # The rig's runtimes answer 40 tokens at most; this test's stream needs a longer answer, same pace.
     rig.supervisor.config.write_text(json.dumps({"engine": {**PACE, "output_tokens": 4 * STREAM_TOKENS}}))

@@ -21,7 +21,7 @@ POOL = "zerolayer.io/e2e-pool"
 
 @pytest.fixture(scope="module")
 def env(cluster, tmp_path_factory):
-    cluster.kubectl("wait", "--for=condition=Established", "crd/inferencefleets.zerolayer.io", "--timeout=60s")
+    cluster.wait_established("inferencefleets.zerolayer.io")
     run = new_run_id()
     namespace = f"zl-e2e-fleet-{run}"
     cluster.kubectl("create", "namespace", namespace)

@@ -22,7 +22,7 @@ POOL_CRD = pathlib.Path(__file__).parents[2] / "crds/vendor/inference.networking
 def env(cluster, tmp_path_factory):
     had_crd = cluster.kubectl("get", "crd", mp.POOL_CRD, "--ignore-not-found", "-o", "name").stdout.strip()
     cluster.kubectl("apply", "--server-side", "-f", str(POOL_CRD))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{mp.POOL_CRD}", "--timeout=60s")
+    cluster.wait_established(mp.POOL_CRD)
     run = new_run_id()
     namespace = f"zl-e2e-model-{run}"
     cluster.kubectl("create", "namespace", namespace)

@@ -31,7 +31,7 @@ def monitoring_crds(cluster):
     for crd in sorted(CRDS.glob("*.yaml")):
         cluster.kubectl("apply", "--server-side", "-f", str(crd))
     for crd in ("podmonitors", "servicemonitors", "prometheusrules"):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}.monitoring.coreos.com", "--timeout=60s")
+        cluster.wait_established(f"{crd}.monitoring.coreos.com")
     # A namespace left terminating by an earlier run would refuse the objects.
     cluster.wait_for(lambda: _phase(cluster) != "Terminating", timeout=120, what=f"namespace {NS} not terminating")
     cluster.kubectl("create", "namespace", NS, check=False)

@@ -300,7 +300,7 @@ def test_with_cilium_crd_the_tenant_gets_an_l7_policy(cluster, env):
     existed = objects.get("crd", CILIUM_CRD["metadata"]["name"]) is not None
     if not existed:
         objects.apply(CILIUM_CRD)
-        cluster.kubectl("wait", "--for=condition=Established", "crd/ciliumnetworkpolicies.cilium.io", "--timeout=60s")
+        cluster.wait_established("ciliumnetworkpolicies.cilium.io")
     try:
         objects.apply(objects.secret(secret), objects.tenant_quota(tq, secret, namespaces=("team-l7",)))
         cnp = cluster.wait_for(lambda: objects.get("ciliumnetworkpolicy", f"zl-tenant-{tq}", objects.namespace),
