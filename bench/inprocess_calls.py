@@ -142,8 +142,8 @@ def main() -> int:
     import uvloop  # type: ignore[import-not-found]
 
     requests, cpu, written = uvloop.run(measure(args.n, None, args.http1))
-    print(f"{requests} {'HTTP/1.1' if args.http1 else 'h2c'} requests in process, {IN_FLIGHT} in flight: {cpu / requests * 1e6:.1f} µs of CPU per request, "
-          f"{written / requests:.0f} bytes written per request")
+    print(f"{requests} {'HTTP/1.1' if args.http1 else 'h2c'} requests in process, {IN_FLIGHT} in flight: "
+          f"{cpu / requests * 1e6:.1f} µs of CPU per request, {written / requests:.0f} bytes written per request")
     if args.calls:
         profile = cProfile.Profile()
         requests, _, _ = uvloop.run(measure(args.n, profile, args.http1))

@@ -25,7 +25,6 @@ request less the stages it runs (the h11 and no-quota rows are for comparison, n
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import time

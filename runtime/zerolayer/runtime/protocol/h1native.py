@@ -315,9 +315,8 @@ class NativeH1ServerCore(H1ServerCore):
                 return None
             if name == "content-length":
                 length = value.strip()
-            elif name == "connection":
-                if "close" in value.lower():
-                    close = True
+            elif name == "connection" and "close" in value.lower():
+                close = True
             elif name == "transfer-encoding":
                 te = True
         head_request = self._method == b"HEAD"
