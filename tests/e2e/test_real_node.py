@@ -119,6 +119,9 @@ def test_down_leaves_the_host_clean(real_cluster):
     """Last in this file: takes the cluster down (a later test's ``real_cluster`` brings it up again)."""
     cluster_dir = real_cluster.local.dir
     assert host.claim_holder() == str(cluster_dir)
+    # The pods' network namespaces live under the nodes' state directories (containerd's
+    # netns_mounts_under_state_dir), where down's unmount finds them even once their pause exited.
+    assert host_leftovers(cluster_dir)["netns"] == []
     real_cluster.local.down()
     left = host_leftovers(cluster_dir)
     assert {k: v for k, v in left.items() if v} == {}

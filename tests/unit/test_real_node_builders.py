@@ -49,6 +49,7 @@ def test_containerd_config_keeps_every_path_under_the_node_dir(tmp_path):
     text = node.containerd_config(n, n.dir / "cni" / "net.d")
     assert f'address = "{n.socket}"' in text
     assert "restrict_oom_score_adj = true" in text and "SystemdCgroup = false" in text
+    assert "netns_mounts_under_state_dir = true" in text  # the pods' network namespaces too
     assert 'snapshotter = "overlayfs"' in text
     assert f'sandbox_image = "{images.PAUSE_IMAGE}"' in text
     for line in text.splitlines():

@@ -81,6 +81,9 @@ def containerd_config(node: RealNode, cni_conf_dir: pathlib.Path) -> str:
 
     ``restrict_oom_score_adj``: this host's root lacks CAP_SYS_RESOURCE, and without it every
     sandbox fails to start. The sandbox image is the locally built pause (no registry here).
+    ``netns_mounts_under_state_dir``: each pod's network namespace is a bind mount under the node's
+    state directory, not in the host's ``/run/netns``, so teardown finds every one by its path,
+    including those whose pause process had already exited when the node stopped.
     """
     d = node.dir / "containerd"
     cri = 'plugins."io.containerd.grpc.v1.cri"'
@@ -97,6 +100,7 @@ state = "{d / 'state'}"
 [{cri}]
   sandbox_image = "{images.PAUSE_IMAGE}"
   restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   enable_selinux = false
