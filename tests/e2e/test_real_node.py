@@ -94,6 +94,11 @@ def test_network_policy_is_enforced_and_lifted(real_cluster, ns):
     )
     ip = real_cluster.wait_running(ns, "server", "allowed", "denied")["server"]
     assert ip.startswith("10.233.1.")
+    # containerd mounts the pods' network namespaces under the node's state directory (where down's
+    # unmount finds them, even once their pause has exited), none in the host's /run/netns.
+    running = host_leftovers(real_cluster.local.dir)
+    assert running["netns"] == []
+    assert sum("/io.containerd.grpc.v1.cri/netns/" in m for m in running["mounts"]) >= 3
     _wait_reach(real_cluster, ns, ip, {"allowed": True, "denied": True}, "both clients to reach the server")
 
     policy = {
@@ -119,9 +124,6 @@ def test_down_leaves_the_host_clean(real_cluster):
     """Last in this file: takes the cluster down (a later test's ``real_cluster`` brings it up again)."""
     cluster_dir = real_cluster.local.dir
     assert host.claim_holder() == str(cluster_dir)
-    # The pods' network namespaces live under the nodes' state directories (containerd's
-    # netns_mounts_under_state_dir), where down's unmount finds them even once their pause exited.
-    assert host_leftovers(cluster_dir)["netns"] == []
     real_cluster.local.down()
     left = host_leftovers(cluster_dir)
     assert {k: v for k, v in left.items() if v} == {}

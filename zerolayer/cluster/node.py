@@ -358,6 +358,8 @@ def teardown(cluster_dir: pathlib.Path, nodes: list[RealNode], log) -> None:
         netns |= host.kill_pods(str(node.socket))
     # The shims also name the node's state directory; a shim whose socket line differs still does.
     netns |= host.kill_pods(str(cluster_dir / "nodes"))
+    # Only a cluster made before netns_mounts_under_state_dir has its pods' namespaces in /run/netns;
+    # today's are mounts below cluster_dir, which the unmount below removes.
     host.remove_netns(netns)
     # Every mount a node makes (overlay rootfs, volumes, the sandbox's shm) is below its directory.
     host.unmount_under([str(cluster_dir)])
