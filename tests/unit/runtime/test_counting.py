@@ -3,6 +3,7 @@ every reader sees them, and the exposition is what ``child.inc`` gave."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from zerolayer.contract import Priority
@@ -53,3 +54,36 @@ def test_scheduler_admissions_are_counted_when_read():
     value = metrics.registry.get_sample_value
     assert value("zerolayer_scheduler_admitted_total", {"priority": "high", "stage": "body"}) == 2
     assert value("zerolayer_scheduler_admitted_total", {"priority": "high", "stage": "headers"}) == 1
+
+
+def test_observations_reach_every_reader_and_stay_bounded():
+    from prometheus_client import Histogram
+
+    from zerolayer.runtime.counting import MAX_OBSERVATIONS
+
+    registry = CollectorRegistry(auto_describe=True)
+    pending = PendingIncrements(registry)
+    latency = Histogram("latency_seconds", "Latency.", buckets=(0.01, 0.1), registry=registry)
+    pending.observe(latency, 0.005)
+    pending.observe(latency, 0.05)
+    assert latency._sum.get() == 0  # not yet: applied when the registry is read
+    assert registry.get_sample_value("latency_seconds_bucket", {"le": "0.01"}) == 1
+    assert registry.get_sample_value("latency_seconds_count") == 2
+    assert registry.get_sample_value("latency_seconds_count") == 2  # applied once, not twice
+    for _ in range(MAX_OBSERVATIONS):  # nobody reads: applied once the list is full, never held past it
+        pending.observe(latency, 1.0)
+    assert latency._sum.get() == pytest.approx(0.055 + MAX_OBSERVATIONS)
+    assert len(pending._observed) == 0
+
+
+def test_time_histograms_give_the_page_observing_at_once_gives():
+    def page(deferred: bool) -> bytes:
+        metrics = RuntimeMetrics()
+        if not deferred:
+            metrics._pending.observe = lambda histogram, value: histogram.observe(value)  # type: ignore[method-assign]
+        for seconds in (0.0004, 0.001, 0.02, 3.0, 99.0, 0.02):  # a bound itself goes in its own bucket
+            metrics.observe_ttft(seconds)
+            metrics.observe_tpot(seconds / 10)
+        return b"\n".join(line for line in metrics.render().splitlines() if b"_created" not in line)
+
+    assert page(deferred=True) == page(deferred=False)

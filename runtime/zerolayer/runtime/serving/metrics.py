@@ -135,6 +135,12 @@ class RuntimeMetrics:
             child = self._token_children[(tenant, kind)] = self.tokens.labels(tenant, kind)
         self._pending.add(child, n)
 
+    def observe_ttft(self, seconds: float) -> None:
+        self._pending.observe(self.ttft, seconds)  # applied at the next read of the registry (counting.py)
+
+    def observe_tpot(self, seconds: float) -> None:
+        self._pending.observe(self.tpot, seconds)
+
     def watch_engine(self, stats: Callable[[], Sequence[tuple[str, EngineStats]]]) -> None:
         """Collect the ``vllm:*`` gauges from ``stats`` (an engine's ``model_stats``) at scrape time."""
         self.registry.register(_EngineCollector(stats))

@@ -261,7 +261,7 @@ class StreamSession:
             await self._complete(channel, frame, deltas, head)
         table.metrics.count_tokens(tenant, "completion", self.output_tokens)
         if self.output_tokens > 1:
-            table.metrics.tpot.observe((table.clock() - self.first_token_at) / (self.output_tokens - 1))
+            table.metrics.observe_tpot((table.clock() - self.first_token_at) / (self.output_tokens - 1))
         self.engine_request = None  # finished: nothing to abort
 
     def _check_context(self, request: ChatRequest, prompt_tokens: int) -> None:
@@ -284,7 +284,7 @@ class StreamSession:
         self.first_token_at = delta.first_token_at or self.table.clock()  # a whole completion says when
         if self.trace is not None:
             self.trace.first_token, self.trace.scheduled = self.first_token_at, delta.scheduled_at or 0.0
-        self.table.metrics.ttft.observe(self.first_token_at - self.arrived)
+        self.table.metrics.observe_ttft(self.first_token_at - self.arrived)
 
     async def _complete(self, channel: Channel, frame: StreamFrame, deltas: Any,
                         head: list[tuple[str, str]]) -> None:
