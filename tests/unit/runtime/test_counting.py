@@ -1,13 +1,14 @@
-"""Per-request counter increments wait in :class:`PendingIncrements` until the registry is read (issue 29):
-every reader sees them, and the exposition is what ``child.inc`` gave."""
+"""Per-request counter increments and histogram observations wait in :class:`PendingIncrements` until the
+registry is read (issue 29): every reader sees them, and the exposition is what ``child.inc`` and
+``Histogram.observe`` gave."""
 
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from zerolayer.contract import Priority
-from zerolayer.runtime.counting import PendingIncrements
+from zerolayer.runtime.counting import MAX_OBSERVATIONS, PendingIncrements
 from zerolayer.runtime.scheduler.metrics import SchedulerMetrics
 from zerolayer.runtime.serving.metrics import RuntimeMetrics
 
@@ -57,10 +58,6 @@ def test_scheduler_admissions_are_counted_when_read():
 
 
 def test_observations_reach_every_reader_and_stay_bounded():
-    from prometheus_client import Histogram
-
-    from zerolayer.runtime.counting import MAX_OBSERVATIONS
-
     registry = CollectorRegistry(auto_describe=True)
     pending = PendingIncrements(registry)
     latency = Histogram("latency_seconds", "Latency.", buckets=(0.01, 0.1), registry=registry)
