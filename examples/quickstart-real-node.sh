@@ -77,7 +77,7 @@ echo; echo "== zerolayer resources"
 kubectl get zerolayer
 echo; echo "== the server container's log"
 kubectl logs -n "$RUNTIME_NS" "$POD" -c server --tail=3
-echo; echo "== a request to the runtime pod at $POD_IP over HTTP/2 (tenant team-a, the real tiny vLLM)"
+echo; echo "== a request to the runtime pod at $POD_IP over HTTP/2 (tenant team-a, the real tiny vLLM; its weights are random, so its words are noise)"
 curl -sS --fail-with-body --http2-prior-knowledge -w '\n(HTTP/%{http_version} %{http_code})\n' "http://$POD_IP:8443/v1/messages" \
     -H 'x-api-key: zl-team-a-example-key-1' \
     -d '{"model":"tiny-llama","max_tokens":8,"messages":[{"role":"user","content":"hello"}]}'
