@@ -21,7 +21,7 @@ from zerolayer.contract import ErrorCode
 from zerolayer.gpumap import FleetMap, alternatives_header, render_map_document
 from zerolayer.runtime.serving.app import Application
 from zerolayer.runtime.serving.demand import DemandLedger
-from zerolayer.runtime.serving.handoff import HandoffReceiver
+from zerolayer.runtime.serving.handoff import BACKLOG, HandoffReceiver
 from zerolayer.runtime.engine.base import Engine
 from zerolayer.runtime.errors import ConfigError
 from zerolayer.runtime.gpu.api import GpuReading, GpuSource, GpuSourceError
@@ -180,9 +180,11 @@ class RuntimeServer:
                      self.base_url, self.engine.kind, ", ".join(self.engine.models))
             return self
         try:
+            # The system's largest listen queue, not asyncio's 100: clients that connect together (a burst
+            # of reconnects) would otherwise see SYNs dropped and wait 1 s or more for the retransmission.
             server = await loop.create_server(lambda: Connection(self.context, tls), self.host, self.port,
                                               ssl=self.ssl_context, reuse_address=True,
-                                              reuse_port=self.reuse_port or None)
+                                              reuse_port=self.reuse_port or None, backlog=BACKLOG)
         except OSError as exc:
             await self.engine.close()
             hint = "" if self.reuse_port else " (runtimes sharing a port need --reuse-port / listen.reuse_port)"
