@@ -10,7 +10,8 @@ Three shapes, each driven by h2load with the same settings against every server,
 Servers (the do-nothing ones answer bench/bare_h2.py's fixed JSON or its ``stream_events``):
 
   bare-h2      python-hyper h2 on uvloop, no work: the floor of the runtime's own protocol stack
-  uvicorn      Starlette on uvicorn (httptools, uvloop), no work: the usual Python HTTP/1.1 floor
+  bare-h11     python-hyper's h11 on uvloop, no work (bench/bare_h11.py): the HTTP/1.1 floor
+  uvicorn      Starlette on uvicorn (httptools, uvloop), no work: the usual Python HTTP/1.1 server
   granian      granian's RSGI on hyper (Rust), no work: what a compiled core costs by itself
   zerolayer    ``zerolayer runtime``, synthetic engine (no pacing), API-key auth, a tenant with quotas,
                two-stage admission; ``server.core: python`` (the sans-IO core on python-hyper h2)
@@ -20,10 +21,11 @@ Servers (the do-nothing ones answer bench/bare_h2.py's fixed JSON or its ``strea
 
 Server CPU per request is the server process's user+system time over the measured run ÷ answered
 requests; per streamed token, that ÷ 64. ``--reps N`` runs every row N times, rows interleaved, and
-reports medians. Ratios: req/s and CPU against the shape's floor (bare-h2 for h2c, uvicorn for
-HTTP/1.1 non-streaming, granian for HTTP/1.1 streaming) and against granian.
+reports medians. Ratios: req/s and CPU against the shape's floor (bare-h2 over h2c, bare-h11 over
+HTTP/1.1, streaming or not) and against granian.
 
     python bench/serving_cost.py [-n 20000] [--stream-n 4000] [--reps 2] [--shapes h2c,h1,stream] [--save]
+                                 [--name NAME]
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def plan(shapes: list[str], native: bool) -> list[tuple[str, str, Callable[[int]
         if native:
             rows.append(("zl-native", "h2c", runtime("native", 16)))
     if "h1" in shapes:
-        rows += [("uvicorn", "h1", plain(serving_floor.uvicorn_cmd)),
+        rows += [("bare-h11", "h1", plain(serving_floor.bare_h11_cmd)),
+                 ("uvicorn", "h1", plain(serving_floor.uvicorn_cmd)),
                  ("granian", "h1", plain(lambda p: granian_cmd(p, "1"))),
                  ("zerolayer", "h1", runtime("python", 16))]
         if native:
@@ -95,7 +98,9 @@ def plan(shapes: list[str], native: bool) -> list[tuple[str, str, Callable[[int]
                  ("zerolayer", "stream h2c", runtime("python", STREAM_TOKENS))]
         if native:
             rows.append(("zl-native", "stream h2c", runtime("native", STREAM_TOKENS)))
-        rows += [("granian", "stream h1", plain(lambda p: granian_cmd(p, "1", "floor_apps:rsgi_stream_app"),
+        rows += [("bare-h11", "stream h1", plain(lambda p: [*serving_floor.bare_h11_cmd(p), "--stream-tokens",
+                                                              str(STREAM_TOKENS)])),
+                 ("granian", "stream h1", plain(lambda p: granian_cmd(p, "1", "floor_apps:rsgi_stream_app"),
                                                 stream_env)),
                  ("zerolayer", "stream h1", runtime("python", STREAM_TOKENS))]
         if native:
@@ -127,7 +132,7 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def floor_of(shape: str) -> str:
-    return {"h2c": "bare-h2", "h1": "uvicorn", "stream h2c": "bare-h2", "stream h1": "granian"}[shape]
+    return {"h2c": "bare-h2", "h1": "bare-h11", "stream h2c": "bare-h2", "stream h1": "bare-h11"}[shape]
 
 
 def report(rows: dict[tuple[str, str], dict[str, Any]], args: argparse.Namespace) -> str:
@@ -152,15 +157,17 @@ def report(rows: dict[tuple[str, str], dict[str, Any]], args: argparse.Namespace
             f"{benchlib.ratio(r['rps'], floor['rps']) if floor else 'n/a':>14} "
             f"{benchlib.ratio(r['cpu_ms_per_req'], floor['cpu_ms_per_req']) if floor else 'n/a':>12} "
             f"{benchlib.ratio(r['rps'], granian['rps']) if granian else 'n/a':>16}")
-    lines += ["", "floors: bare-h2 for h2c and stream h2c, uvicorn for h1, granian for stream h1 (no bare "
-                  "HTTP/1.1 streaming floor). Goals (issue 29): >= 0.8x the floor's req/s, <= 0.2 ms CPU "
-                  "per request."]
+    lines += ["", "floors: bare-h2 for h2c and stream h2c, bare-h11 for h1 and stream h1. Goals (issue 29): "
+                  ">= 0.8x the floor's req/s, <= 0.2 ms CPU per request."]
     for server in ("zerolayer", "zl-native"):
-        for shape in ("h2c", "h1", "stream h2c"):
+        for shape in ("h2c", "h1", "stream h2c", "stream h1"):
             r, floor = rows.get((server, shape)), rows.get((floor_of(shape), shape))
             if r and floor:
                 lines.append(f"  {server} {shape}: {r['rps'] / floor['rps']:.2f}x the floor's req/s at "
                              f"{r['cpu_ms_per_req']:.3f} ms CPU per request (floor {floor['cpu_ms_per_req']:.3f})")
+            h2floor = rows.get(("bare-h2", "h2c"))
+            if r and shape == "h1" and h2floor:  # the floor issue 29 names: a do-nothing python-hyper h2 server
+                lines.append(f"  {server} h1: {r['rps'] / h2floor['rps']:.2f}x bare-h2's h2c req/s")
     lines += ["", "commands (URL, headers and body as in bench/serving_cost.py):",
               *sorted({f"  {r['command'].split(' -d ')[0]} ..." for r in rows.values()})]
     return "\n".join(lines)
@@ -173,7 +180,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--shapes", default="h2c,h1,stream")
     parser.add_argument("--no-native", action="store_true", help="leave out the compiled core's rows")
-    parser.add_argument("--save", action="store_true", help="write bench/results/serving_cost.{txt,json}")
+    parser.add_argument("--save", action="store_true", help="write bench/results/NAME.{txt,json}")
+    parser.add_argument("--name", default="serving_cost", help="the result files' name (with --save)")
     args = parser.parse_args()
     native = native_available() and not args.no_native
     if not native and not args.no_native:
@@ -192,7 +200,7 @@ def main() -> int:
     text = report(rows, args)
     print(text)
     if args.save:
-        benchlib.save("serving_cost", text, {"rows": {f"{s} {h}": r for (s, h), r in rows.items()},
+        benchlib.save(args.name, text, {"rows": {f"{s} {h}": r for (s, h), r in rows.items()},
                                              "command": benchlib.bench_argv()})
     return 0
 

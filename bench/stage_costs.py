@@ -7,10 +7,13 @@ a client's bytes, no socket). Prints µs of CPU per request for each: the best o
 ``-n`` calls (the stages), the median of ``--rounds`` runs (the whole request). The stages do not add
 up to the whole: what joins them (the session, the gate's authentication and contract, the task per
 request and its coroutines, the transport, metrics, logging context) is the last row, the whole HTTP/1.1
-request less the stages it runs (the h11 and no-quota rows are for comparison, not part of it).
+request less the stages it runs (the h11, bare-h11 and no-quota rows are for comparison, not part of it).
 
   HTTP/1.1 core cycle   the compiled HTTP/1.1 core (llhttp) reading the request and writing the answer
   h11 core cycle        the same with the python core (h11), the protocol the HTTP/1.1 floor runs
+  bare-h11 cycle        the HTTP/1.1 floor's own request (bench/bare_h11.py's data_received: h11 reads
+                        the request and writes the fixed answer), no socket: what a request costs
+                        with no work at all
   scheduler             admit at HEADERS + admit at body + settle, with the tenant's quotas
   scheduler, no quotas  the same for a tenant with no rate or concurrency quota
   request JSON          the OpenAI body parsed into a ChatRequest
@@ -76,6 +79,15 @@ def core_cycle(cls: type) -> Callable[[], None]:
         core.data_to_send()
         core.resume()
     return cycle
+
+
+def bare_h11_cycle() -> Callable[[], None]:
+    from bare_h11 import BareH11
+
+    floor = BareH11()
+    floor.connection_made(inprocess_calls._Transport())  # type: ignore[arg-type]
+    raw = inprocess_calls.http1_request()
+    return lambda: floor.data_received(raw)
 
 
 def scheduler_pair(quotas: bool) -> Callable[[], None]:
@@ -156,12 +168,13 @@ def main() -> int:
         "whole request, h2c (in process)": whole(False, args.rounds),
         "HTTP/1.1 core cycle (llhttp)": best_us(core_cycle(NativeH1ServerCore), args.n, args.rounds),
         "h11 core cycle (python core)": best_us(core_cycle(H1ServerCore), args.n, args.rounds),
+        "bare-h11 cycle (the floor's request)": best_us(bare_h11_cycle(), args.n, args.rounds),
         "scheduler (2 admits + settle)": best_us(scheduler_pair(True), args.n, args.rounds),
         "scheduler, no quotas": best_us(scheduler_pair(False), args.n, args.rounds),
         **engine_stages(args.n, args.rounds),
     }
     total = rows["whole request, HTTP/1.1 (in process)"]
-    named = [name for name in rows if not name.startswith(("whole", "h11", "scheduler, no"))]
+    named = [name for name in rows if not name.startswith(("whole", "h11", "bare-h11", "scheduler, no"))]
     rows["the rest: session, gate, task, transport, metrics"] = total - sum(rows[name] for name in named)
     lines = [f"runtime at {os.environ.get('ZEROLAYER_BENCH_REV', 'working tree')}", benchlib.machine_line(), "",
              f"{'stage':<52} {'us/request':>10} {'of HTTP/1.1 whole':>18}"]
