@@ -78,14 +78,22 @@ async def test_shedding_retry_success_rate(runtimes):
         await asyncio.gather(*(worker(w) for w in range(workers)))
     requests = len(outcomes)
     refused = [ok for was_refused, ok in outcomes if was_refused]
-    rate = sum(refused) / len(refused) if refused else 1.0
+    # A request whose retry the budget denies fails at that denial (the budget is this test's alone): the
+    # refused requests the budget let retry are the others. How many of the refused ones the budget can let
+    # retry depends on the share refused (about 20 % on a quiet machine of one speed, 40 % on a faster one,
+    # a few % under a full suite's load), so the retries' success is read among those it let retry.
+    allowed = len(refused) - budget.denied
+    rate = sum(refused) / allowed if allowed > 0 else 1.0
     attempts = server_attempts(node.url)
     print(f"\nshedding: {requests} requests, {len(refused)} refused at least once ({len(refused) / requests:.0%}), "
-          f"retry success {rate:.1%}, {attempts} attempts on the server ({attempts / requests:.2f}x), "
-          f"budget denied {budget.denied}; failures: {collections.Counter(failures).most_common(3)}")  # fmt: skip
+          f"{sum(refused)} of them saved by retries ({sum(refused) / max(1, len(refused)):.1%}), "
+          f"{allowed} not denied by the budget (success {rate:.1%}), {attempts} attempts on the server "
+          f"({attempts / requests:.2f}x), budget denied {budget.denied}; failures: "
+          f"{collections.Counter(failures).most_common(3)}")  # fmt: skip
     # The scenario really sheds. How much depends on how fast this machine drives it (about 20 % on a
     # quiet machine, a few % under a full suite's load); the retry check needs a handful.
     assert len(refused) >= 10
+    assert allowed >= budget.burst  # its burst alone lets that many retry: the retries really ran
     assert attempts <= 1.2 * requests + budget.burst  # no retry storm
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     if rate < 0.5 and load > 2.0:
