@@ -35,8 +35,15 @@ With ``--ceiling`` each round ends with ``engine-only`` (bench/engine_ceiling.py
 in-process with no server and no client process, the most any front end reaches on this machine; the
 report gives each stack's throughput as a share of it.
 
+``--servers-on CPUS`` starts every server under ``taskset -c CPUS`` (vllm serve and the runtime alike; the
+engine core inherits it) and binds the worker's OpenMP threads to the other CPUs this process may use
+(``VLLM_CPU_OMP_THREADS_BIND``, for both stacks). By default (``auto``) vLLM's CPU backend binds them to the
+cores it does not reserve (on 2 cores, core 0 computes and core 1 is reserved for the rest) but leaves the API
+server and the engine core free to run on the worker's core; ``--servers-on 1`` keeps them on the reserved
+one. The load generator is not pinned.
+
     python bench/vs_vllm_serve.py [--concurrency 1 4 16] [--prompts 64] [--rounds 3] [--native] [--litellm '']
-                                   [--api-processes 1 2] [--ceiling]
+                                   [--api-processes 1 2] [--ceiling] [--servers-on CPUS]
 """
 
 from __future__ import annotations
@@ -190,6 +197,23 @@ def first_token_metrics(result: dict) -> dict:
             "p50_tpot_token_ms": benchlib.percentile(tpots, 0.5)}
 
 
+def cpu_set(text: str) -> set[int]:
+    """``taskset -c``'s list form: ``1``, ``0,2``, ``1-3``."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def worker_cpus(servers_on: str) -> str:
+    """The CPUs left to vLLM's worker when the servers run on ``servers_on``: the rest of this process's."""
+    rest = sorted(os.sched_getaffinity(0) - cpu_set(servers_on))
+    if not rest:
+        raise SystemExit(f"--servers-on {servers_on} leaves no CPU for vLLM's worker")
+    return ",".join(map(str, rest))
+
+
 def suffix(processes: int) -> str:
     """A stack's name suffix for its number of API processes (none for one)."""
     return "" if processes == 1 else f"-x{processes}"
@@ -197,18 +221,21 @@ def suffix(processes: int) -> str:
 
 @contextlib.contextmanager
 def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path, native: bool = False,
-           api_processes: tuple[int, ...] = (1,)) -> Iterator[dict[str, tuple[int, int, int | None]]]:
+           api_processes: tuple[int, ...] = (1,), servers_on: str | None = None
+           ) -> Iterator[dict[str, tuple[int, int, int | None]]]:
     """Start every stack, for each number of API processes; yields name -> (port, pid to meter, second pid
-    to meter or None)."""
+    to meter or None). ``servers_on``: the CPUs (taskset) vllm serve and the runtime start on."""
+    pin = ["taskset", "-c", servers_on] if servers_on else []
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": worker_cpus(servers_on)} if servers_on else {}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as spool:
         found: dict[str, tuple[int, int, int | None]] = {}
         first_vllm: tuple[int, int] | None = None
-        env = {"BENCH_KEY": benchlib.KEY}
+        env = {"BENCH_KEY": benchlib.KEY, **bind}
         for n in api_processes:
             name = suffix(n)
             vport = benchlib.free_port()
-            vproc = stack.enter_context(benchlib.server(vllm_serve_cmd(vport, n), vport, timeout=600,
-                                                        log=logs / f"vllm-serve{name}.log"))
+            vproc = stack.enter_context(benchlib.server([*pin, *vllm_serve_cmd(vport, n)], vport, env=bind,
+                                                        timeout=600, log=logs / f"vllm-serve{name}.log"))
             wait_ready(vport)
             found[f"vllm-serve{name}"] = (vport, vproc.pid, None)
             first_vllm = first_vllm or (vport, vproc.pid)
@@ -218,7 +245,7 @@ def stacks(litellm_venv: pathlib.Path | None, logs: pathlib.Path, native: bool =
                 port = benchlib.free_port()
                 cmd, config = zerolayer_cmd(port, spool, core=core, api_processes=n)
                 stack.callback(os.unlink, config)
-                proc = stack.enter_context(benchlib.server(cmd, port, env=env, timeout=600,
+                proc = stack.enter_context(benchlib.server([*pin, *cmd], port, env=env, timeout=600,
                                                            log=logs / f"{flavour}{name}.log"))
                 wait_ready(port)
                 found[f"{flavour}{name}"] = (port, proc.pid, None)
@@ -274,6 +301,9 @@ def report(results: dict[int, dict[str, dict]], args: argparse.Namespace,
         benchlib.machine_line(),
         f"load generator: vllm bench serve in a session of its own, scheduling group {client_groups(rounds)} "
         "(benchlib.run_client: a client in another session than busy servers is starved on 2 cores)",
+        *([f"servers started under taskset -c {args.servers_on}, vLLM's worker bound to CPU "
+           f"{worker_cpus(args.servers_on)} (VLLM_CPU_OMP_THREADS_BIND); the load generator not pinned"]
+          if args.servers_on else []),
         "",
         f"{'conc':>4} {'stack':<15} {'done':>5} {'out tok':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'TPOT p50':>9} {'CPU ms/req':>10} {'front ms/req':>12} {'1st-chunk p50':>13}",
@@ -378,6 +408,9 @@ def main() -> int:
     parser.add_argument("--ceiling", action="store_true",
                         help="also run the engine with no server (bench/engine_ceiling.py) in each round, as "
                              "engine-only: the most any front end over this engine reaches at that concurrency")
+    parser.add_argument("--servers-on", metavar="CPUS",
+                        help="start vllm serve and the runtime under taskset -c CPUS (e.g. 1: the core vLLM's CPU "
+                             "backend reserves for its API server and engine core on 2 cores)")
     parser.add_argument("--name", default="vs_vllm_serve")
     args = parser.parse_args()
     from zerolayer.runtime.node import tinymodel
@@ -387,8 +420,8 @@ def main() -> int:
     if venv is not None and not (venv / "bin" / "litellm").exists():
         parser.error(f"no LiteLLM in {venv}: python3 -m venv {venv} && {venv}/bin/pip install 'litellm[proxy]'")
     rounds: dict[int, dict[str, list[dict]]] = {}
-    with tempfile.TemporaryDirectory() as logs, stacks(venv, pathlib.Path(logs), args.native,
-                                                                    tuple(args.api_processes)) as found:
+    with tempfile.TemporaryDirectory() as logs, stacks(venv, pathlib.Path(logs), args.native, tuple(args.api_processes),
+                                                       args.servers_on) as found:
         try:
             for c in args.concurrency:
                 rounds[c] = {name: [] for name in [*found, *([CEILING] if args.ceiling else [])]}
