@@ -159,14 +159,14 @@ def report(rows: dict[tuple[str, str], dict[str, Any]], args: argparse.Namespace
             f"{benchlib.ratio(r['rps'], granian['rps']) if granian else 'n/a':>16}")
     lines += ["", "floors: bare-h2 for h2c and stream h2c, bare-h11 for h1 and stream h1. Goals (issue 29): "
                   ">= 0.8x the floor's req/s, <= 0.2 ms CPU per request."]
+    h2floor = rows.get(("bare-h2", "h2c"))  # the floor issue 29 names: a do-nothing python-hyper h2 server
     for server in ("zerolayer", "zl-native"):
         for shape in ("h2c", "h1", "stream h2c", "stream h1"):
             r, floor = rows.get((server, shape)), rows.get((floor_of(shape), shape))
             if r and floor:
                 lines.append(f"  {server} {shape}: {r['rps'] / floor['rps']:.2f}x the floor's req/s at "
                              f"{r['cpu_ms_per_req']:.3f} ms CPU per request (floor {floor['cpu_ms_per_req']:.3f})")
-            h2floor = rows.get(("bare-h2", "h2c"))
-            if r and shape == "h1" and h2floor:  # the floor issue 29 names: a do-nothing python-hyper h2 server
+            if r and shape == "h1" and h2floor:
                 lines.append(f"  {server} h1: {r['rps'] / h2floor['rps']:.2f}x bare-h2's h2c req/s")
     lines += ["", "commands (URL, headers and body as in bench/serving_cost.py):",
               *sorted({f"  {r['command'].split(' -d ')[0]} ..." for r in rows.values()})]

@@ -79,9 +79,8 @@ async def test_shedding_retry_success_rate(runtimes):
     requests = len(outcomes)
     refused = [ok for was_refused, ok in outcomes if was_refused]
     # A request whose retry the budget denies fails at that denial (the budget is this test's alone): the
-    # refused requests the budget let retry are the others. How many of the refused ones the budget can let
-    # retry depends on the share refused (about 20 % on a quiet machine of one speed, 40 % on a faster one,
-    # a few % under a full suite's load), so the retries' success is read among those it let retry.
+    # refused requests the budget never denied are the others. How many of the refused ones a 20 % budget
+    # can retry depends on the share refused (see below), so the retries' success is read among those.
     allowed = len(refused) - budget.denied
     rate = sum(refused) / allowed if allowed > 0 else 1.0
     attempts = server_attempts(node.url)
@@ -91,7 +90,8 @@ async def test_shedding_retry_success_rate(runtimes):
           f"({attempts / requests:.2f}x), budget denied {budget.denied}; failures: "
           f"{collections.Counter(failures).most_common(3)}")  # fmt: skip
     # The scenario really sheds. How much depends on how fast this machine drives it (about 20 % on a
-    # quiet machine, a few % under a full suite's load); the retry check needs a handful.
+    # quiet machine, 34-44 % on a faster one, a few % under a full suite's load); the retry check needs a
+    # handful.
     assert len(refused) >= 10
     assert allowed >= budget.burst  # its burst alone lets that many retry: the retries really ran
     assert attempts <= 1.2 * requests + budget.burst  # no retry storm
